@@ -1,0 +1,123 @@
+"""Batched autoregressive decoding with a KV cache, one forward per token.
+
+Owns the decode loop: left-pad the prompts, prefill once, then feed one token
+per live row per step through a ``DynamicCache``. Finished rows are dropped
+from the batch (and from the cache) so they stop costing compute. Knows
+nothing about queues, pausing or versions: the caller's ``between_steps``
+hook decides whether to keep going, and ``step_lock`` guards every forward so
+weights can be swapped between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from engines.sampling import sample_row
+from engines.types import FinishReason, SamplingParams
+
+
+@dataclass
+class Row:
+    """Mutable decode state of one request (engine-internal, never on the wire)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator
+    version_start: str
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: FinishReason | None = None
+
+    def push(self, tok: int, logprob: float) -> None:
+        self.output_ids.append(tok)
+        self.logprobs.append(logprob)
+        if tok in self.stop_ids:
+            self.finish = {"type": "stop", "matched": tok}
+        elif len(self.output_ids) >= self.params.max_new_tokens:
+            self.finish = {"type": "length", "length": self.params.max_new_tokens}
+
+
+def _left_pad(rows: list[Row], pad_id: int, device: torch.device):
+    width = max(len(r.prompt) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt, dtype=torch.long)
+        mask[i, width - len(r.prompt) :] = 1
+    # Positions count real tokens only, so a row sees the same positions
+    # whatever padding its batch needs.
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), pos.to(device)
+
+
+@functools.cache
+def _cache_kwarg(model_cls: type) -> str:
+    # transformers 5.x renamed `past_key_values` to `cache`; accept both.
+    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
+
+
+def _forward(model, ids, mask, pos, cache: DynamicCache) -> torch.Tensor:
+    """Logits ``[B, V]`` of the last position only (logits_to_keep=1)."""
+    kwargs = {_cache_kwarg(type(model)): cache}
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+        logits_to_keep=1, **kwargs,
+    )
+    return out.logits[:, -1, :]
+
+
+@torch.inference_mode()
+def decode(
+    model: torch.nn.Module,
+    rows: list[Row],
+    pad_id: int,
+    device: torch.device,
+    between_steps: Callable[[], str | None] = lambda: None,
+    step_lock: contextlib.AbstractContextManager | None = None,
+) -> None:
+    """Decode ``rows`` in place until each has a finish reason.
+
+    ``between_steps`` runs before every forward after the prefill; it may
+    block (pause in place) and returns an abort message to end all live rows
+    with finish reason abort, or None to go on.
+    """
+    lock = step_lock if step_lock is not None else contextlib.nullcontext()
+    ids, mask, pos = _left_pad(rows, pad_id, device)
+    cache = DynamicCache(config=model.config)
+    with lock:
+        logits = _forward(model, ids, mask, pos, cache)
+    live = list(range(len(rows)))  # indices into rows, aligned with the batch dim
+    next_pos = pos[:, -1] + 1
+    while True:
+        step_tokens = []
+        for b, r in enumerate(live):
+            tok, lp = sample_row(logits[b], rows[r].params, rows[r].generator)
+            rows[r].push(tok, lp)
+            step_tokens.append(tok)
+        keep = [b for b, r in enumerate(live) if rows[r].finish is None]
+        if not keep:
+            return
+        if len(keep) < len(live):
+            sel = torch.tensor(keep, device=device)
+            cache.batch_select_indices(sel)
+            mask, next_pos = mask[sel], next_pos[sel]
+            live = [live[b] for b in keep]
+            step_tokens = [step_tokens[b] for b in keep]
+        abort = between_steps()
+        if abort is not None:
+            for r in live:
+                rows[r].finish = {"type": "abort", "message": abort}
+            return
+        tok_t = torch.tensor(step_tokens, dtype=torch.long, device=device)[:, None]
+        mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
+        with lock:
+            logits = _forward(model, tok_t, mask, next_pos[:, None], cache)
+        next_pos = next_pos + 1

@@ -1,0 +1,375 @@
+"""The embedded rollout engine: torch + transformers behind SGLang's control API.
+
+Owns one model replica, its request queue and its pause/version state. Method
+names and result shapes follow SGLang's HTTP endpoints (``/generate``,
+``/update_weights_from_disk``, ``/pause_generation`` ...), so callers cannot
+tell it from an SGLang server. It is a plain class; ``engines.group`` wraps it
+as a threaded Ray actor (see ``actor_options``). It never imports prefect and
+never reads storage other than the local HF directory it is pointed at.
+
+Threads: ``generate`` calls (up to ``GENERATE_CONCURRENCY`` at once) only
+enqueue requests and wait. One decode worker thread drains the queue into
+batches of up to ``max_batch_size`` rows, so requests from concurrent calls
+share forwards. Control methods run in their own concurrency group, so pause,
+continue and reload are served while every generate thread is busy.
+
+Versions and pausing:
+- ``meta_info.weight_version`` is the version when the request *started*;
+  ``weight_version_end`` the version when it ended.
+- ``pause_generation("abort")`` ends in-flight and queued requests with
+  finish reason abort (their tokens so far are returned) and returns once the
+  worker is idle.
+- ``pause_generation("in_place")`` parks the worker between two decode steps,
+  keeping every request's KV cache; it returns once the worker is parked.
+  ``"retract"`` behaves like ``"in_place"`` here (there is no KV memory
+  pressure to retract for).
+- A weight update while parked in place is applied at once; the parked
+  requests then continue on the *new* weights with their old KV cache (SGLang's
+  semantics), so their ``weight_version_end`` differs from ``weight_version``.
+  The RL caller avoids such mixed requests by pausing with abort, or by
+  waiting for a rollout to finish before it updates.
+- While paused, new ``generate`` calls wait for ``continue_generation``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engines.config import EngineConfig
+from engines.decode import Row, decode
+from engines.sampling import make_generator
+from engines.types import GenerateResult, PauseMode, SamplingParams, UpdateWeightsResult
+from engines.weights import WeightLoadError, check_state_dict, load_into, read_state_dict
+
+log = logging.getLogger(__name__)
+
+CONTROL_GROUP = "control"
+GENERATE_CONCURRENCY = 8
+CONTROL_CONCURRENCY = 4
+
+
+def actor_options() -> dict[str, Any]:
+    """Ray actor options the engine needs: threaded generate + a control group."""
+    return {
+        "max_concurrency": GENERATE_CONCURRENCY,
+        "concurrency_groups": {CONTROL_GROUP: CONTROL_CONCURRENCY},
+    }
+
+
+_control = ray.method(concurrency_group=CONTROL_GROUP)
+
+
+@dataclass
+class _Call:
+    """One generate() call: its rows' results and a completion signal."""
+
+    results: list[GenerateResult | None]
+    remaining: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+
+
+class EmbeddedEngine:
+    """One rollout engine replica; see the module docstring for semantics."""
+
+    def __init__(
+        self, model_path: str, engine_id: int, cfg: EngineConfig, weight_version: int = 0
+    ) -> None:
+        torch.set_num_threads(cfg.torch_threads)
+        self.engine_id = engine_id
+        self._cfg = cfg
+        use_gpu = cfg.num_gpus_per_engine > 0 and torch.cuda.is_available()
+        self._device = torch.device("cuda" if use_gpu else "cpu")
+        self._tokenizer = AutoTokenizer.from_pretrained(model_path)
+        # float32 on CPU keeps a row's tokens independent of batch padding.
+        dtype = "auto" if use_gpu else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self._model = model.to(self._device).eval()
+        self._model_path = model_path
+        self._weight_version = str(int(weight_version))
+        self._eos = self._eos_ids()
+        self._cond = threading.Condition()
+        self._step_lock = threading.Lock()  # held by each forward and by weight swaps
+        self._queue: deque[tuple[_Call, int, list[int], SamplingParams]] = deque()
+        self._paused = False
+        self._parked = False  # worker is waiting between two steps (paused in place)
+        self._inflight = 0  # rows the worker is decoding now
+        self._abort_epoch = 0  # bumped to abort everything in flight
+        self._abort_msg = ""
+        self._released = False
+        threading.Thread(target=self._worker, name=f"engine-{engine_id}", daemon=True).start()
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = {self._tokenizer.eos_token_id}
+        gen_eos = getattr(self._model.generation_config, "eos_token_id", None)
+        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        return frozenset(i for i in ids if i is not None)
+
+    # ---- generation -------------------------------------------------------
+
+    def generate(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: list[dict] | dict,
+        return_logprob: bool = True,
+    ) -> list[GenerateResult]:
+        """SGLang ``/generate`` for a batch of token-id prompts.
+
+        Each request samples with its own generator seeded by its
+        ``sampling_seed``, so its tokens do not depend on the other requests
+        it is batched with. ``output_token_logprobs`` holds the logprob of
+        each sampled token under the temperature-scaled distribution (see
+        ``engines.sampling.sample_row``); it is always returned, and
+        ``return_logprob`` is accepted for API compatibility.
+        """
+        if isinstance(sampling_params, dict):
+            sampling_params = [sampling_params] * len(input_ids)
+        if len(sampling_params) != len(input_ids):
+            raise ValueError("give one sampling_params dict per prompt, or one for all")
+        parsed = [SamplingParams.from_dict(sp) for sp in sampling_params]
+        if any(len(p) == 0 for p in input_ids):
+            raise ValueError("empty prompt: every input_ids row needs >= 1 token")
+        if not input_ids:
+            return []
+        call = _Call(results=[None] * len(input_ids), remaining=len(input_ids))
+        with self._cond:
+            while self._paused:
+                self._cond.wait()
+            for i, (prompt, sp) in enumerate(zip(input_ids, parsed)):
+                self._queue.append((call, i, list(prompt), sp))
+            self._cond.notify_all()
+        call.done.wait()
+        if call.error is not None:
+            raise RuntimeError(f"engine {self.engine_id} failed a batch: {call.error}")
+        return call.results  # type: ignore[return-value]
+
+    def _worker(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue or self._paused:
+                    self._cond.wait()
+                batch = [
+                    self._queue.popleft()
+                    for _ in range(min(len(self._queue), self._cfg.max_batch_size))
+                ]
+                self._inflight = len(batch)
+                epoch = self._abort_epoch
+                rows = [self._row(prompt, sp) for _, _, prompt, sp in batch]
+            error = None
+            try:
+                decode(
+                    self._model,
+                    rows,
+                    self._pad_id(),
+                    self._device,
+                    between_steps=lambda: self._between_steps(epoch),
+                    step_lock=self._step_lock,
+                )
+            except Exception as e:  # a failed batch must not kill the worker thread
+                log.exception("engine %s: decode failed", self.engine_id)
+                error = f"{type(e).__name__}: {e}"
+            with self._cond:
+                self._inflight = 0
+                for (call, i, _, _), row in zip(batch, rows):
+                    self._deliver(call, i, row, error)
+                self._cond.notify_all()
+
+    def _row(self, prompt: list[int], sp: SamplingParams) -> Row:
+        stop = self._eos if sp.stop_token_ids is None else frozenset(sp.stop_token_ids)
+        return Row(
+            prompt=prompt,
+            params=sp,
+            stop_ids=stop,
+            generator=make_generator(sp.sampling_seed, self._device),
+            version_start=self._weight_version,
+        )
+
+    def _pad_id(self) -> int:
+        pad = self._tokenizer.pad_token_id
+        return pad if pad is not None else next(iter(self._eos), 0)
+
+    def _between_steps(self, epoch: int) -> str | None:
+        """Decode hook: park while paused in place; report an abort."""
+        with self._cond:
+            if self._paused and self._abort_epoch == epoch:
+                self._parked = True
+                self._cond.notify_all()
+                while self._paused and self._abort_epoch == epoch:
+                    self._cond.wait()
+                self._parked = False
+            return self._abort_msg if self._abort_epoch != epoch else None
+
+    def _deliver(self, call: _Call, i: int, row: Row, error: str | None) -> None:
+        """Store one finished row (caller holds the condition)."""
+        if error is not None:
+            call.error = error
+        finish = row.finish or {"type": "abort", "message": error or "not finished"}
+        call.results[i] = {
+            "output_ids": row.output_ids,
+            "text": self._tokenizer.decode(row.output_ids, skip_special_tokens=True),
+            "meta_info": {
+                "weight_version": row.version_start,
+                "weight_version_end": self._weight_version,
+                "finish_reason": finish,
+                "output_token_logprobs": [
+                    [lp, t, None] for lp, t in zip(row.logprobs, row.output_ids)
+                ],
+                "prompt_tokens": len(row.prompt),
+                "completion_tokens": len(row.output_ids),
+            },
+        }
+        call.remaining -= 1
+        if call.remaining == 0:
+            call.done.set()
+
+    def _abort_all(self, message: str) -> None:
+        """End in-flight and queued requests with finish reason abort (holds cond)."""
+        self._abort_epoch += 1
+        self._abort_msg = message
+        while self._queue:
+            call, i, prompt, sp = self._queue.popleft()
+            row = self._row(prompt, sp)
+            row.finish = {"type": "abort", "message": message}
+            self._deliver(call, i, row, None)
+        self._cond.notify_all()
+
+    # ---- pause / continue -------------------------------------------------
+
+    @_control
+    def pause_generation(self, mode: PauseMode = "abort") -> None:
+        """Stop generating; returns once no forward is running."""
+        if mode not in ("abort", "in_place", "retract"):
+            raise ValueError(f"mode={mode!r}: use 'abort', 'in_place' or 'retract'")
+        with self._cond:
+            self._paused = True
+            if mode == "abort":
+                self._abort_all("aborted by pause_generation")
+            self._cond.notify_all()
+            while self._inflight and not self._parked:
+                self._cond.wait()
+
+    @_control
+    def continue_generation(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @_control
+    def flush_cache(self) -> bool:
+        """Drop cached state; refused (False) while any request is queued or running.
+
+        The engine keeps no prefix cache across requests, so an idle flush only
+        returns freed device memory to the allocator.
+        """
+        with self._cond:
+            if self._inflight or self._queue:
+                return False
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
+
+    # ---- weights and info -------------------------------------------------
+
+    @_control
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> UpdateWeightsResult:
+        """Load an HF safetensors dir into the running model, all or nothing.
+
+        The new tensors are read and checked before any parameter changes; on
+        failure the old weights and version keep serving. The swap happens
+        between two decode steps (it takes the step lock).
+        """
+        if abort_all_requests:
+            with self._cond:
+                self._abort_all("aborted by update_weights_from_disk")
+        try:
+            state = read_state_dict(model_path)
+            check_state_dict(self._model, state)
+        except (WeightLoadError, OSError) as e:
+            with self._cond:
+                paused = self._inflight if self._parked else 0
+            return {"success": False, "message": str(e), "num_paused_requests": paused}
+        with self._step_lock:
+            load_into(self._model, state)
+            with self._cond:
+                if weight_version is not None:
+                    self._weight_version = str(weight_version)
+                self._model_path = model_path
+                paused = self._inflight if self._parked else 0
+        if flush_cache:
+            self.flush_cache()
+        msg = f"loaded {model_path} as version {self._weight_version}"
+        return {"success": True, "message": msg, "num_paused_requests": paused}
+
+    @_control
+    def update_weight_version(self, new_version: str) -> str:
+        """Relabel the served weights (after a tensor/distributed update)."""
+        with self._cond:
+            self._weight_version = str(new_version)
+            return self._weight_version
+
+    @_control
+    def get_weight_version(self) -> str:
+        return self._weight_version
+
+    @_control
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self._model_path,
+            "tokenizer_path": self._model_path,
+            "is_generation": True,
+            "weight_version": self._weight_version,
+            "engine_id": self.engine_id,
+            "device": str(self._device),
+            "paused": self._paused,
+        }
+
+    @_control
+    def health_generate(self) -> bool:
+        """A 1-token greedy generation outside the queue, so it answers while paused."""
+        bos = self._tokenizer.bos_token_id
+        row = self._row([bos if bos is not None else self._pad_id()], SamplingParams(
+            temperature=0.0, max_new_tokens=1, stop_token_ids=()))
+        try:
+            decode(self._model, [row], self._pad_id(), self._device, step_lock=self._step_lock)
+        except Exception:
+            log.exception("engine %s: health_generate failed", self.engine_id)
+            return False
+        return len(row.output_ids) == 1
+
+    # ---- memory -----------------------------------------------------------
+
+    @_control
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Move the weights to host memory (GPU only; a no-op on CPU).
+
+        ``tags`` is accepted for API compatibility; weights are the only state
+        this engine holds between requests. Pause generation first.
+        """
+        with self._step_lock:
+            if self._device.type == "cuda" and not self._released:
+                self._model.to("cpu")
+                torch.cuda.empty_cache()
+            self._released = True
+        return {"success": True, "message": f"released (device={self._device})"}
+
+    @_control
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        with self._step_lock:
+            if self._device.type == "cuda" and self._released:
+                self._model.to(self._device)
+            self._released = False
+        return {"success": True, "message": f"resumed (device={self._device})"}

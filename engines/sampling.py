@@ -1,0 +1,56 @@
+"""Per-row token sampling for the embedded engine.
+
+Owns how one row's next token and its logprob are drawn from that row's
+logits. Each row draws from its own ``torch.Generator`` and nothing here looks
+at other rows, which is what makes a request's tokens independent of the
+batch it happens to share. Never mutates the logits it is given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engines.types import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A generator owned by one request, seeded only by its sampling_seed."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def sample_row(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[int, float]:
+    """Draw one token from one row's logits ``[V]``; return (token_id, logprob).
+
+    The logprob is ``log_softmax(logits / temperature)[token]``: the
+    temperature-scaled distribution the token was drawn from. With top_p < 1
+    the draw is from the nucleus renormalised, but the reported logprob is
+    still under the full temperature-scaled distribution, which is what a
+    trainer recomputes. With temperature <= 0 (greedy) it is under the
+    unscaled distribution (temperature 1).
+    """
+    logits = logits.float()
+    if params.temperature <= 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = int(torch.argmax(logits))
+        return tok, float(logp[tok])
+    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+    probs = logp.exp()
+    if params.top_p < 1.0:
+        probs = _nucleus(probs, params.top_p)
+    tok = int(torch.multinomial(probs, 1, generator=generator))
+    return tok, float(logp[tok])
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero all but the smallest set of top tokens whose mass reaches top_p."""
+    sorted_p, order = torch.sort(probs, descending=True)
+    # Keep a token if the mass before it is still below top_p; the top token
+    # is always kept, so the result is never empty.
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return kept / kept.sum()

@@ -1,0 +1,64 @@
+"""The ``prefect-rl`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flows.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.set)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.plain:
+        from flows.driver import run_plain
+        from flows.progress import summary
+
+        ctx, rows, seconds = run_plain(cfg)
+        print(summary(rows, ctx.store.url, ctx.store.committed_versions(), seconds))
+        return 0
+    from flows.training import TrainingParams, rl_training
+
+    from flows.config import parse_override
+
+    overrides = dict(parse_override(item) for item in args.set)
+    state = rl_training(
+        TrainingParams(config_path=args.config, overrides=overrides, force_lease=args.force),
+        return_state=True,
+    )
+    return 0 if state.is_completed() else 1
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    from training.tiny_model import write_tiny_model
+
+    out = write_tiny_model(args.dir, seed=args.seed)
+    print(f"wrote the tiny model and tokenizer to {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefect-rl", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="run (or continue) an RL training run")
+    run.add_argument("config", help="YAML config, e.g. configs/tiny-cpu.yaml")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
+    run.add_argument("--force", action="store_true", help="take over the run's lease from a dead holder")
+    run.add_argument("--plain", action="store_true", help="plain-Python driver, without Prefect")
+    run.set_defaults(fn=_run)
+    tiny = sub.add_parser("tiny-model", help="write the tiny model and tokenizer to DIR")
+    tiny.add_argument("dir")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(fn=_tiny_model)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""RunConfig: the whole run's settings, composed from each package's own section.
+
+Loaded from YAML, with ``--set a.b=c`` overrides. Unknown keys are rejected with
+the key named; validation never rewrites what the user wrote.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engines.config import EngineConfig
+from rollout.config import RolloutConfig
+from storage.config import StorageConfig
+from training.config import ModelConfig, TrainConfig, WeightsConfig
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class RunSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("tiny-cpu", description="Run name: the folder under storage.root")
+    iterations: int = Field(20, ge=0, description="Total RL iterations of the run")
+    seed: int = Field(0, ge=0)
+    save_interval: int = Field(5, ge=1, description="Checkpoint every N iterations (and at the end)")
+
+    @model_validator(mode="after")
+    def _check_name(self) -> RunSection:
+        if not _NAME_RE.match(self.name):
+            raise ValueError(
+                f"run.name {self.name!r} is not a valid run name: use letters, digits, '.', '_' "
+                "or '-' (at most 64, starting with a letter or digit)"
+            )
+        return self
+
+
+class RaySection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = Field(None, description="Ray cluster address; None starts a local one")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local cluster (logical)")
+    namespace: str = "prefect-rl"
+
+
+class TaskPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    retries: int = Field(2, ge=0)
+    retry_delay_s: list[float] = Field(default_factory=lambda: [1.0, 2.0, 5.0])
+    timeout_s: float = Field(1800.0, gt=0)
+
+
+class FaultSection(BaseModel):
+    """Fault injection for tests: fail ``step`` at iteration ``iteration``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: str | None = None
+    iteration: int | None = None
+    kind: str = Field("exception", description="exception | kill_actor | sigkill")
+    times: int = Field(1, ge=1, description="How many attempts fail before it heals")
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run: RunSection = RunSection()
+    model: ModelConfig = ModelConfig()
+    storage: StorageConfig = StorageConfig()
+    engines: EngineConfig = EngineConfig()
+    train: TrainConfig = TrainConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    weights: WeightsConfig = WeightsConfig()
+    ray: RaySection = RaySection()
+    tasks: TaskPolicy = TaskPolicy()
+    faults: FaultSection = FaultSection()
+
+    @model_validator(mode="after")
+    def _sections_agree(self) -> RunConfig:
+        if self.rollout.n_samples_per_prompt < 2:
+            raise ValueError(
+                "rollout.n_samples_per_prompt must be at least 2: GRPO normalises rewards "
+                "within a group of samples of one prompt"
+            )
+        n_seq = self.rollout.batch_size * self.rollout.n_samples_per_prompt
+        if n_seq % self.train.num_workers:
+            raise ValueError(
+                f"rollout.batch_size * rollout.n_samples_per_prompt = {n_seq} must be divisible "
+                f"by train.num_workers = {self.train.num_workers}; change one of them"
+            )
+        return self
+
+
+class ConfigError(ValueError):
+    """A config the user must fix; the message says how."""
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {key!r} is not a section")
+    node[keys[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``a.b=c`` -> ("a.b", c) with c parsed as YAML (numbers, bools, null, lists)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set run.iterations=5")
+    key, raw = item.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  unknown key {loc!r}: remove it or check its spelling")
+        else:
+            lines.append(f"  {loc or '<root>'}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None
+) -> RunConfig:
+    """Load a RunConfig from YAML (or defaults) and apply overrides."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass a YAML file such as configs/tiny-cpu.yaml")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections at the top")
+        source = str(p)
+    items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
+    for key, value in items:
+        _set_dotted(data, key, value)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None

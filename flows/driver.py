@@ -1,0 +1,44 @@
+"""The plain-Python driver: the same steps as the Prefect flows, in a loop.
+
+It proves the runtime below ``flows/`` and ``tasks/`` needs no Prefect, and it
+is the baseline of ``bench/orchestration.py``. It has no retries and no UI.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flows.config import RunConfig
+from flows.progress import iteration_line
+from tasks import steps
+from tasks.context import RunContext
+from tasks.lease import LeaseKeeper
+from tasks.prepare import prepare_run
+
+
+def run_iteration(ctx: RunContext, k: int) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        "rollout": steps.rollout(ctx, k),
+        "train": steps.train(ctx, k),
+        "save": steps.save_checkpoint(ctx, k),
+        "publish": steps.publish_weights(ctx, k),
+    }
+    engines = range(ctx.cfg.engines.num_engines)
+    for e in engines:
+        results[f"reload-e{e}"] = steps.reload_engine(ctx, k, e)
+    for e in engines:
+        results[f"verify-e{e}"] = steps.verify_engine(ctx, k, e)
+    return steps.finish_iteration(ctx, k, results)
+
+
+def run_plain(cfg: RunConfig, quiet: bool = False) -> tuple[RunContext, list[dict[str, Any]], float]:
+    ctx = prepare_run(cfg)
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    with LeaseKeeper(ctx):
+        for k in range(steps.first_unfinished(ctx), cfg.run.iterations + 1):
+            rows.append(run_iteration(ctx, k))
+            if not quiet:
+                print(iteration_line(rows[-1], cfg.run.iterations), flush=True)
+    return ctx, rows, time.perf_counter() - t0

@@ -1,0 +1,34 @@
+"""Console progress lines and the end-of-run summary (no Prefect, no Ray)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _f(x: Any, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def iteration_line(row: dict[str, Any], total: int) -> str:
+    return (
+        f"[iter {row['iteration']:>3}/{total}] reward={_f(row.get('reward_mean'))} "
+        f"loss={_f(row.get('loss'), '.4f')} kl={_f(row.get('kl'), '.4f')} "
+        f"gen={_f(row.get('gen_tokens_per_s'), '.0f')} tok/s train={_f(row.get('train_tokens_per_s'), '.0f')} tok/s "
+        f"publish={_f(row.get('publish_s'), '.2f')}s reload={_f(row.get('reload_s'), '.2f')}s "
+        f"sample={row.get('example', '')!r}"
+    )
+
+
+def summary(rows: list[dict[str, Any]], store_url: str, versions: list[int], seconds: float) -> str:
+    if not rows:
+        return f"nothing to do: run at {store_url} is complete ({len(versions)} versions committed)"
+    rewards = [r["reward_mean"] for r in rows]
+    head, tail = rewards[:5], rewards[-5:]
+    return "\n".join(
+        [
+            f"run finished: {len(rows)} iterations in {seconds:.1f}s ({seconds / len(rows):.2f}s/iteration)",
+            f"  reward: first {len(head)} mean {sum(head) / len(head):.3f} -> last {len(tail)} mean {sum(tail) / len(tail):.3f}",
+            f"  weights: v{versions[0]}..v{versions[-1]} committed under {store_url}/weights" if versions else "",
+            f"  metrics: {store_url}/metrics.jsonl",
+        ]
+    )

@@ -1,0 +1,11 @@
+"""Per-sample seeds: sampling for (seed, iteration, prompt, sample) is reproducible
+whatever engine, batch or retry generates it."""
+
+from __future__ import annotations
+
+import hashlib
+
+
+def sample_seed(seed: int, iteration: int, prompt_index: int, sample_index: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{iteration}/{prompt_index}/{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

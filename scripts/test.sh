@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up and pass the tests: what `.ci/run` runs, and what the README tells you to run.
+# Tests start the services they need themselves (a Prefect server + worker,
+# a moto S3 server on loopback, local Ray clusters) and stop them afterwards.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export RAY_AUTH_MODE=disabled PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
+.venv/bin/ruff check .
+set +e
+.venv/bin/python -m pytest -m "not gpu" "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then echo "pytest ran no tests: failing" >&2; exit 1; fi
+exit "$rc"

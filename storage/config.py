@@ -1,0 +1,25 @@
+"""Storage section of the run config. Owns where a run's state lives."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class S3Options(BaseModel):
+    """Options for ``s3://`` roots. Credentials are never fields here: they come
+    from the standard AWS environment variables, so they never reach run.json."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint_url: str | None = None  # e.g. http://127.0.0.1:5000 for a moto server
+    region: str | None = None
+    anon: bool = False
+
+
+class StorageConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    root: str = Field("runs", description="Run root: a plain path, file://, s3://bucket/prefix, ...")
+    keep_last: int | None = Field(None, ge=1, description="Keep this many versions/checkpoints; None keeps all")
+    lease_ttl_s: float = Field(60.0, gt=0, description="A lease not renewed for this long may be taken over")
+    s3: S3Options = S3Options()

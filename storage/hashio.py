@@ -1,0 +1,332 @@
+"""Binary writers that hash (sha256) and count bytes while they write, and the
+matching streaming verifier for reads.
+
+Owns the fast path of publishing: on local disk the hash of a chunk runs on a
+helper thread while the same chunk is written (hashlib and file writes both
+release the GIL), so hashing costs almost nothing on top of the write. On S3,
+parts are uploaded concurrently by s3fs's event loop while the caller keeps
+producing bytes. Must not decide where files go or when they count as
+committed; the stores do that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, BinaryIO
+
+from storage.errors import IntegrityError
+
+# Writes smaller than this are gathered first: per-call thread hand-off only pays off for big chunks.
+_GATHER = 4 << 20
+# Big writes are split so hashing chunk i overlaps writing chunk i, with bounded latency.
+_SLICE = 16 << 20
+READ_CHUNK = 8 << 20
+
+_POOL_LOCK = threading.Lock()
+_HASH_POOL: ThreadPoolExecutor | None = None
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _HASH_POOL
+    with _POOL_LOCK:
+        if _HASH_POOL is None:
+            _HASH_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="storage-hash")
+        return _HASH_POOL
+
+
+def _as_bytes_view(data: Any) -> memoryview:
+    mv = memoryview(data)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")  # typed/multi-dim views count elements, not bytes
+    return mv
+
+
+class HashingWriter:
+    """Base: counts and hashes; subclasses move the bytes. Use as a context manager:
+    leaving the block normally finishes the file, an exception aborts it."""
+
+    def __init__(self, name: str, on_close: Callable[[HashingWriter], None] | None = None):
+        self.name = name  # file name relative to the version/checkpoint folder
+        self.bytes = 0
+        self._sha = hashlib.sha256()
+        self._buf = bytearray()
+        self._on_close = on_close
+        self.closed = False
+        self.sha256: str | None = None  # set when closed
+
+    # -- file protocol ---------------------------------------------------------
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self.bytes
+
+    def flush(self) -> None:
+        pass
+
+    def write(self, data: Any) -> int:
+        if self.closed:
+            raise ValueError(f"write to closed file {self.name!r}")
+        mv = _as_bytes_view(data)
+        n = mv.nbytes
+        if n < _GATHER:
+            self._buf += mv
+            if len(self._buf) >= _GATHER:
+                self._drain()
+        else:
+            self._drain()
+            for off in range(0, n, _SLICE):
+                self._emit(mv[off : off + _SLICE])
+        self.bytes += n
+        return n
+
+    def _drain(self) -> None:
+        if self._buf:
+            buf, self._buf = self._buf, bytearray()
+            self._emit(memoryview(buf))
+
+    def _emit(self, mv: memoryview) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self._drain()
+        self._finish()
+        self.closed = True
+        self.sha256 = self._sha.hexdigest()
+        if self._on_close is not None:
+            self._on_close(self)
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def __enter__(self) -> HashingWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class LocalHashingWriter(HashingWriter):
+    """Writes to a local path with large unbuffered writes; hash overlaps the write.
+
+    ``close`` does not fsync; the owner fsyncs (possibly on another thread) before
+    committing, so the next file can be produced while this one reaches the disk.
+    """
+
+    def __init__(self, name: str, path: str, on_close: Callable[[HashingWriter], None] | None = None):
+        super().__init__(name, on_close)
+        self.path = path
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._f = open(path, "wb", buffering=0)
+
+    def _emit(self, mv: memoryview) -> None:
+        fut = _hash_pool().submit(self._sha.update, mv)
+        try:
+            view = mv
+            while view.nbytes:
+                written = self._f.write(view)
+                view = view[written:]
+        finally:
+            fut.result()  # the caller may reuse its buffer after write() returns
+
+    def _finish(self) -> None:
+        self._f.close()
+
+    def abort(self) -> None:
+        super().abort()
+        self._f.close()
+
+
+class NullHashingWriter(HashingWriter):
+    """Hashes and counts but stores nothing: re-publishing an already committed
+    object only needs its digest to decide "identical" or "conflict"."""
+
+    def _emit(self, mv: memoryview) -> None:
+        self._sha.update(mv)
+
+    def _finish(self) -> None:
+        pass
+
+
+class S3HashingWriter(HashingWriter):
+    """Streams to S3: single PUT for small files, else a multipart upload whose
+    parts are sent concurrently (at most ``max_inflight`` parts in memory)."""
+
+    def __init__(
+        self,
+        name: str,
+        fs: Any,
+        path: str,
+        on_close: Callable[[HashingWriter], None] | None = None,
+        part_size: int = 16 << 20,
+        max_inflight: int = 8,
+    ):
+        super().__init__(name, on_close)
+        self._fs = fs
+        self._bucket, self._key, _ = fs.split_path(path)
+        self._path = path
+        self._part_size = max(part_size, 5 << 20)  # S3's minimum for all but the last part
+        self._pending = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[Future] = []
+        self._slots = threading.Semaphore(max_inflight)
+
+    def _emit(self, mv: memoryview) -> None:
+        self._sha.update(mv)
+        self._pending += mv
+        while len(self._pending) >= self._part_size:
+            part = bytes(self._pending[: self._part_size])
+            del self._pending[: self._part_size]
+            self._send(part)
+
+    def _call(self, method: str, **kw: Any) -> Future:
+        return asyncio.run_coroutine_threadsafe(self._fs._call_s3(method, **kw), self._fs.loop)
+
+    def _send(self, part: bytes) -> None:
+        if self._upload_id is None:
+            mpu = self._call("create_multipart_upload", Bucket=self._bucket, Key=self._key).result()
+            self._upload_id = mpu["UploadId"]
+        self._slots.acquire()
+        fut = self._call(
+            "upload_part",
+            Bucket=self._bucket,
+            Key=self._key,
+            UploadId=self._upload_id,
+            PartNumber=len(self._parts) + 1,
+            Body=part,
+        )
+        fut.add_done_callback(lambda _f: self._slots.release())
+        self._parts.append(fut)
+
+    def _finish(self) -> None:
+        if self._upload_id is None:
+            self._call("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._pending)).result()
+        else:
+            try:
+                if self._pending:
+                    self._send(bytes(self._pending))
+                parts = [{"PartNumber": i + 1, "ETag": f.result()["ETag"]} for i, f in enumerate(self._parts)]
+                self._call(
+                    "complete_multipart_upload",
+                    Bucket=self._bucket,
+                    Key=self._key,
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": parts},
+                ).result()
+            except BaseException:
+                self._abort_upload()
+                raise
+        self._pending = bytearray()
+        self._fs.invalidate_cache(self._path)
+
+    def _abort_upload(self) -> None:
+        if self._upload_id is None:
+            return
+        for f in self._parts:
+            f.cancel()
+        try:
+            self._call(
+                "abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id
+            ).result(timeout=30)
+        except Exception:
+            pass  # best effort: an unfinished upload is invisible to readers anyway
+        self._upload_id = None
+
+    def abort(self) -> None:
+        super().abort()
+        self._abort_upload()
+
+
+class VerifyingReader:
+    """Read-only wrapper that checks size and sha256 when read sequentially to EOF.
+
+    Random access (``seek``) is allowed but turns the sha256 check off, since the
+    bytes were then not all seen in order; the size was still checked up front.
+    """
+
+    def __init__(self, f: BinaryIO, name: str, size: int, sha256: str):
+        self._f = f
+        self.name = name
+        self._size = size
+        self._want = sha256
+        self._sha: Any = hashlib.sha256()
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        if self._sha is not None:
+            self._sha.update(data)
+        self._pos += len(data)
+        if self._sha is not None and (not data or n is None or n < 0) and self._pos >= self._size:
+            self._check()
+        return data
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(memoryview(b).nbytes)
+        memoryview(b)[: len(data)] = data
+        return len(data)
+
+    def _check(self) -> None:
+        got = self._sha.hexdigest()
+        self._sha = None
+        if got != self._want:
+            raise IntegrityError(
+                f"{self.name}: sha256 {got} != recorded {self._want}; the file is corrupt, "
+                "restore it or rewrite the checkpoint"
+            )
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        pos = self._f.seek(off, whence)
+        if pos != self._pos:
+            self._sha = None
+        self._pos = pos
+        return pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> VerifyingReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def hash_stream(f: BinaryIO, chunk: int = READ_CHUNK) -> tuple[int, str]:
+    """(bytes, sha256) of everything readable from ``f``."""
+    sha = hashlib.sha256()
+    n = 0
+    while True:
+        data = f.read(chunk)
+        if not data:
+            return n, sha.hexdigest()
+        sha.update(data)
+        n += len(data)

@@ -1,0 +1,167 @@
+"""Pull a committed weight version into a local cache folder, verified.
+
+Owns the reader side of the commit protocol: only versions with a valid
+manifest are pulled; each file is hashed while it streams in and re-fetched on
+a mismatch; the cache folder appears (by rename) only when complete, with the
+manifest copied last. Must never write outside ``cache_dir/.tmp-*`` and
+``cache_dir/v000012``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import fsspec
+
+from storage.errors import IntegrityError, ManifestError
+from storage.fs import dumps, fsync_dir, is_local, join
+from storage.hashio import READ_CHUNK
+from storage.layout import MANIFEST, TMP_PREFIX, version_name
+from storage.types import FileEntry, WeightsManifest
+from storage.weights import parse_manifest
+
+# Ranged GETs per S3 request; several are kept in flight per file.
+_RANGE = 16 << 20
+
+
+def pull_version(
+    fs: fsspec.AbstractFileSystem,
+    version_dir: str,
+    manifest: WeightsManifest,
+    cache_dir: str,
+    workers: int = 8,
+    retries: int = 3,
+) -> str:
+    """Return ``cache_dir/v000012`` holding a verified copy of ``manifest``'s files."""
+    dest = os.path.join(os.path.abspath(cache_dir), version_name(manifest.version))
+    if _cache_ok(dest, manifest):
+        return dest
+    os.makedirs(cache_dir, exist_ok=True)
+    stage = os.path.join(cache_dir, f"{TMP_PREFIX}{version_name(manifest.version)}-{uuid.uuid4().hex}")
+    os.makedirs(stage)
+    try:
+        files = sorted(manifest.files, key=lambda f: -f.bytes)  # big first: better overlap
+        n = max(1, min(workers, len(files)))
+        with ThreadPoolExecutor(n, thread_name_prefix="storage-pull") as files_pool, ThreadPoolExecutor(
+            max(2, workers), thread_name_prefix="storage-range"
+        ) as range_pool:
+            futs = [
+                files_pool.submit(_pull_file, fs, version_dir, f, stage, retries, range_pool, workers)
+                for f in files
+            ]
+            for fut in futs:
+                fut.result()
+        # The manifest goes in last, so a folder with a manifest is a complete folder.
+        with open(os.path.join(stage, MANIFEST), "wb") as out:
+            out.write(dumps(manifest.model_dump(mode="json")))
+        if os.path.exists(dest):
+            shutil.rmtree(dest)  # an incomplete/stale copy of this very version
+        os.rename(stage, dest)
+        fsync_dir(cache_dir)
+        return dest
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def _cache_ok(dest: str, manifest: WeightsManifest) -> bool:
+    """A cached copy is reused when it carries the same manifest and every size matches
+    (its sha256 was verified while it was pulled)."""
+    path = os.path.join(dest, MANIFEST)
+    if not os.path.exists(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            cached = parse_manifest(f.read(), path, manifest.version)
+    except ManifestError:
+        return False
+    if cached.file_set() != manifest.file_set():
+        return False
+    for f in manifest.files:
+        p = os.path.join(dest, f.name)
+        if not os.path.isfile(p) or os.path.getsize(p) != f.bytes:
+            return False
+    return True
+
+
+def _pull_file(
+    fs: fsspec.AbstractFileSystem,
+    version_dir: str,
+    entry: FileEntry,
+    stage: str,
+    retries: int,
+    range_pool: ThreadPoolExecutor,
+    lookahead: int,
+) -> None:
+    src = join(version_dir, entry.name)
+    dst = os.path.join(stage, entry.name)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    last = ""
+    for _attempt in range(1 + retries):
+        try:
+            actual = fs.size(src)
+        except FileNotFoundError:
+            last = "it is missing from the version folder"
+            continue
+        if actual != entry.bytes:
+            # Checked before downloading: a truncated object would only waste a transfer.
+            last = f"it has {actual} bytes, manifest says {entry.bytes}"
+            continue
+        n, sha = _copy_hashing(fs, src, dst, entry.bytes, range_pool, lookahead)
+        if n == entry.bytes and sha == entry.sha256:
+            return
+        last = f"got {n} bytes sha256 {sha[:12]}..., manifest says {entry.bytes} bytes sha256 {entry.sha256[:12]}..."
+    raise IntegrityError(
+        f"{entry.name} of {version_dir} failed verification {1 + retries} times ({last}); "
+        "the stored version is corrupt: republish it or roll engines back to another version"
+    )
+
+
+def _copy_hashing(
+    fs: fsspec.AbstractFileSystem, src: str, dst: str, size: int, pool: ThreadPoolExecutor, lookahead: int
+) -> tuple[int, str]:
+    sha = hashlib.sha256()
+    n = 0
+    chunks = _local_chunks(src) if is_local(fs) else _remote_chunks(fs, src, size, pool, lookahead)
+    with open(dst, "wb", buffering=0) as out:
+        for chunk in chunks:
+            sha.update(chunk)
+            out.write(chunk)
+            n += len(chunk)
+    return n, sha.hexdigest()
+
+
+def _local_chunks(src: str) -> Iterator[memoryview]:
+    with open(src, "rb", buffering=0) as f:
+        buf = bytearray(READ_CHUNK)
+        view = memoryview(buf)
+        while k := f.readinto(buf):
+            yield view[:k]
+
+
+def _remote_chunks(
+    fs: fsspec.AbstractFileSystem, src: str, size: int, pool: ThreadPoolExecutor, lookahead: int
+) -> Iterator[bytes]:
+    """In-order chunks of ``src`` fetched by concurrent ranged GETs (``size`` was checked)."""
+    starts = list(range(0, size, _RANGE)) or [0]
+    pending: list[Future] = []
+    it = iter(starts)
+
+    def fill() -> None:
+        while len(pending) < max(1, lookahead):
+            s = next(it, None)
+            if s is None:
+                return
+            pending.append(pool.submit(fs.cat_file, src, s, min(s + _RANGE, size)))
+
+    fill()
+    while pending:
+        data = pending.pop(0).result()
+        fill()
+        if data:
+            yield data

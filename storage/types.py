@@ -1,0 +1,111 @@
+"""Wire objects of ``storage``: what is written as JSON next to the data.
+
+Owns the schemas (weights manifest, checkpoint COMMIT, lease, GC report) and
+their validation; must not do I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from storage.layout import COMMIT, MANIFEST, check_file_name
+
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class FileEntry(BaseModel):
+    """One committed file: what a reader checks before trusting it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str  # relative to its folder; no absolute names, no '..'
+    bytes: int = Field(ge=0)  # exact size in bytes
+    sha256: str  # lowercase hex digest of the whole file
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        if not _SHA256_RE.match(v):
+            raise ValueError(f"sha256 {v!r} is not 64 lowercase hex digits")
+        return v
+
+
+def _check_entries(files: tuple[FileEntry, ...], reserved: tuple[str, ...]) -> None:
+    seen: set[str] = set()
+    for f in files:
+        check_file_name(f.name, reserved)
+        if f.name in seen:
+            raise ValueError(f"file {f.name!r} is listed twice; each name must appear once")
+        seen.add(f.name)
+
+
+class WeightsManifest(BaseModel):
+    """``weights/v000012/manifest.json``. Written last: its presence is the commit."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: int = Field(ge=0)  # = the iteration that produced it; v0 is the base model
+    run: str  # run name the version belongs to
+    iteration: int = Field(ge=0)  # training iteration whose weights these are
+    parent: int | None = Field(default=None, ge=0)  # version these were trained from
+    created_at: float  # unix seconds when the manifest was written
+    format: Literal["hf-safetensors"] = "hf-safetensors"  # HF folder of safetensors shards
+    files: tuple[FileEntry, ...]  # every file of the version except manifest.json
+
+    @model_validator(mode="after")
+    def _names(self) -> WeightsManifest:
+        _check_entries(self.files, (MANIFEST,))
+        return self
+
+    def file_set(self) -> set[tuple[str, int, str]]:
+        """(name, bytes, sha256) of every file; equal sets = identical content."""
+        return {(f.name, f.bytes, f.sha256) for f in self.files}
+
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+
+class CheckpointCommit(BaseModel):
+    """``checkpoints/iter_000012/COMMIT``. Written last: its presence is the commit."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    iteration: int = Field(ge=0)  # k of the trainer state
+    created_at: float  # unix seconds when COMMIT was written
+    files: tuple[FileEntry, ...]  # every file of the checkpoint except COMMIT
+    meta: dict  # caller's meta, e.g. {"weights_version": 12, "data_cursor": ...}
+
+    @model_validator(mode="after")
+    def _names(self) -> CheckpointCommit:
+        _check_entries(self.files, (COMMIT,))
+        return self
+
+
+class Lease(BaseModel):
+    """``lease.json``: the one writer of a run, until ``expires_at``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    owner: str  # who writes, e.g. "flow-run <id> on host"
+    token: str  # random per acquisition; tells two acquisitions by one owner apart
+    acquired_at: float  # unix seconds of this acquisition
+    expires_at: float  # unix seconds; after this anyone may take the lease over
+
+    def live(self, now: float) -> bool:
+        return now < self.expires_at
+
+
+class GcReport(BaseModel):
+    """What one ``RunStore.gc`` call kept and removed."""
+
+    model_config = ConfigDict(frozen=True)
+
+    deleted_versions: list[int]  # weight versions removed (manifest first, then files)
+    deleted_checkpoints: list[int]  # checkpoint iterations removed (COMMIT first)
+    kept_versions: list[int]  # committed versions left in place
+    kept_checkpoints: list[int]  # committed checkpoints left in place
+    protected: dict[int, str]  # version -> why it was kept beyond keep_last
+    removed_debris: list[str]  # torn/staging folders cleaned up (no commit marker)

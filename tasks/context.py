@@ -1,0 +1,56 @@
+"""RunContext: the small, picklable handle every step receives.
+
+It carries settings only (the RunConfig and the local base-model path). Runtime
+objects (the store, the engine and train groups) are rebuilt from it wherever a
+step runs, in the flow process or in a Ray worker, so nothing heavy or live is
+ever passed between tasks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from flows.config import RunConfig
+from storage.run_store import RunStore
+
+
+@dataclass(frozen=True)
+class RunContext:
+    cfg: RunConfig  # the validated run config
+    base_model_path: str  # local HF dir of v0 (tiny model or model.path)
+    owner: str = field(default_factory=lambda: f"{os.uname().nodename}:{os.getpid()}")  # lease owner
+    driver_pid: int = field(default_factory=os.getpid)  # the flow process (fault injection: sigkill)
+
+    @property
+    def run_name(self) -> str:
+        return self.cfg.run.name
+
+    @cached_property
+    def store(self) -> RunStore:
+        return RunStore(self.cfg.storage, self.cfg.run.name)
+
+    def engines(self):  # -> engines.group.EngineGroup
+        from engines.group import EngineGroup
+
+        return EngineGroup(self.run_name, self.cfg.engines, namespace=self.cfg.ray.namespace)
+
+    def trainer(self):  # -> training.group.TrainGroup
+        from training.group import TrainGroup
+
+        return TrainGroup(
+            self.run_name,
+            self.cfg.train,
+            self.cfg.model,
+            self.cfg.storage,
+            self.cfg.run.seed,
+            namespace=self.cfg.ray.namespace,
+        )
+
+    def __getstate__(self) -> dict:
+        # cached_property values (the store's filesystem) are rebuilt after unpickling.
+        return {k: v for k, v in self.__dict__.items() if k != "store"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)

@@ -1,0 +1,67 @@
+"""Prefect tasks: one per step, named with verbs, wrapping ``tasks/steps.py`` 1:1.
+
+Cache keys are the ledger identity ``{run}/{k}/{step}`` and results are
+persisted under the run root, so a retried flow run shows finished steps as
+Cached. Correctness does not depend on that: each step reads the ledger first.
+Retries, delays and timeouts come from the config (``RunContext.cfg.tasks``)
+and are applied by the flow with ``with_options``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks import steps
+from tasks.context import RunContext
+
+
+def _ledger_key(step: str):
+    def key(_context, parameters: dict[str, Any]) -> str:
+        ctx: RunContext = parameters["ctx"]
+        suffix = f"-e{parameters['engine_id']}" if "engine_id" in parameters else ""
+        return f"{ctx.run_name}/{parameters['k']}/{step}{suffix}"
+
+    return key
+
+
+@task(name="rollout", task_run_name="{ctx.run_name}:rollout[k={k}]", cache_key_fn=_ledger_key("rollout"))
+def rollout(ctx: RunContext, k: int) -> dict[str, Any]:
+    return steps.rollout(ctx, k)
+
+
+@task(name="train", task_run_name="{ctx.run_name}:train[k={k}]", cache_key_fn=_ledger_key("train"))
+def train(ctx: RunContext, k: int) -> dict[str, Any]:
+    return steps.train(ctx, k)
+
+
+@task(name="save_checkpoint", task_run_name="{ctx.run_name}:save[k={k}]", cache_key_fn=_ledger_key("save"))
+def save_checkpoint(ctx: RunContext, k: int) -> dict[str, Any]:
+    return steps.save_checkpoint(ctx, k)
+
+
+@task(name="publish_weights", task_run_name="{ctx.run_name}:publish[k={k}]", cache_key_fn=_ledger_key("publish"))
+def publish_weights(ctx: RunContext, k: int) -> dict[str, Any]:
+    return steps.publish_weights(ctx, k)
+
+
+@task(
+    name="reload_engine",
+    task_run_name="{ctx.run_name}:reload[k={k},engine={engine_id}]",
+    cache_key_fn=_ledger_key("reload"),
+)
+def reload_engine(ctx: RunContext, k: int, engine_id: int) -> dict[str, Any]:
+    return steps.reload_engine(ctx, k, engine_id)
+
+
+# Verify is never cached: it must look at what the engines serve now.
+@task(name="verify_engine", task_run_name="{ctx.run_name}:verify[k={k},engine={engine_id}]", cache_policy=NO_CACHE)
+def verify_engine(ctx: RunContext, k: int, engine_id: int) -> dict[str, Any]:
+    return steps.verify_engine(ctx, k, engine_id)
+
+
+@task(name="finish_iteration", task_run_name="{ctx.run_name}:finish[k={k}]", cache_key_fn=_ledger_key("iteration"))
+def finish_iteration(ctx: RunContext, k: int, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return steps.finish_iteration(ctx, k, results)

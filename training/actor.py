@@ -1,0 +1,272 @@
+"""One train rank: model, optimizer and the trainer-state iteration it holds.
+
+Owns what happens inside a rank: init from base weights, one GRPO step per
+iteration over persisted rollouts, checkpoint save/load and HF export through
+the run store. It is a plain class; ``training.group`` wraps it in Ray. Never
+generates rollouts, never chooses which checkpoint to restore and never
+imports Prefect.
+
+Determinism (the recovery invariant): every step reseeds torch from
+(seed, k, rank), runs micro-batches in a fixed order, and uses deterministic
+algorithms where torch has them. Same config + same world size → same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+
+from rollout.types import RolloutBatch
+from storage.config import StorageConfig
+from training import backend_torch as bt
+from training import checkpoint
+from training.batch import build_train_batch, micro_batches, rank_slice
+from training.config import ModelConfig, TrainConfig
+from training.export import drop_tied, manifest_dict, write_hf_weights
+from training.losses import grpo_loss
+
+
+class StateMismatchError(RuntimeError):
+    """A step was asked of a trainer that holds a different iteration."""
+
+
+def step_seed(seed: int, k: int, rank: int) -> int:
+    return (seed * 1_000_003 + k * 1_009 + rank) % (2**63 - 1)
+
+
+class TrainActor:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        train_cfg: TrainConfig,
+        model_cfg: ModelConfig,
+        storage_cfg: StorageConfig,
+        run_name: str,
+        seed: int,
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.master_addr, self.master_port = master_addr, master_port
+        self.cfg, self.model_cfg, self.storage_cfg = train_cfg, model_cfg, storage_cfg
+        self.run_name, self.seed = run_name, seed
+        self.device = bt.pick_device(train_cfg.num_gpus_per_worker)
+        self.model: torch.nn.Module | None = None
+        self.ref_model: torch.nn.Module | None = None
+        self.optim: torch.optim.Optimizer | None = None
+        self.base_model_path: str | None = None
+        self.pad_id = 0
+        self._iteration: int | None = None
+        self._store: Any = None
+
+    # -- lifecycle ---------------------------------------------------------
+    def setup(self) -> None:
+        """Threads, determinism and the process group; call once on every rank."""
+        torch.set_num_threads(self.cfg.torch_threads)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        bt.init_distributed(
+            self.rank, self.world_size, self.master_addr, self.master_port, self.device
+        )
+
+    def ping(self) -> dict[str, Any]:
+        return {"rank": self.rank, "iteration": self._iteration, "pid": os.getpid()}
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def iteration(self) -> int | None:
+        """The trainer-state iteration held (0 = base weights); None before init."""
+        return self._iteration
+
+    def store(self) -> Any:
+        if self._store is None:
+            from storage.run_store import RunStore
+
+            self._store = RunStore(self.storage_cfg, self.run_name)
+        return self._store
+
+    def init_from_base(self, model_path: str) -> int:
+        """Build model (+ frozen reference when kl_coef > 0) and AdamW from ``model_path``."""
+        n = self.world_size
+        self.model = bt.build_model(model_path, self.model_cfg.dtype, self.device, n)
+        if self.cfg.loss.kl_coef > 0:
+            self.ref_model = bt.build_model(model_path, self.model_cfg.dtype, self.device, n)
+            self.ref_model.requires_grad_(False).eval()
+        self.optim = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.cfg.lr,
+            weight_decay=self.cfg.weight_decay,
+            foreach=False,  # one fixed per-parameter update order
+        )
+        pad = getattr(self.model.config, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else 0
+        self.base_model_path = model_path
+        self._iteration = 0
+        return 0
+
+    def load_checkpoint(self, k: int) -> int:
+        """Restore model, optimizer and RNG of checkpoint ``k`` (after init_from_base)."""
+        self._require_model()
+        meta = checkpoint.load(self.store(), k, self.model, self.optim)
+        self._iteration = int(meta["iteration"])
+        return self._iteration
+
+    def save_checkpoint(self, k: int, meta_extra: dict | None = None) -> dict | None:
+        """Collective. Rank 0 commits ``checkpoints/iter_k`` and returns its meta."""
+        self._require_at(k, "save_checkpoint")
+        store = self.store()
+        if k in store.committed_checkpoints():  # committed checkpoints are never rewritten
+            return store.read_checkpoint_meta(k) if self.rank == 0 else None
+        meta = {"iteration": k, "weights_version": k, "seed": self.seed, **(meta_extra or {})}
+        meta["world_size"] = self.world_size
+        return checkpoint.save(store, k, self.model, self.optim, self.rank, meta)
+
+    def export_hf(self, version: int, iteration: int, parent: int | None) -> dict | None:
+        """Collective. Rank 0 publishes ``weights/v{version}``; returns a summary."""
+        self._require_model()
+        state = bt.full_model_state(self.model)
+        if self.rank != 0:
+            return None
+        writer = self.store().weights_writer(version, iteration, parent)
+        written = write_hf_weights(
+            writer, drop_tied(self.model, state), self.cfg_shard_size, self.base_model_path
+        )
+        manifest = manifest_dict(writer.commit())
+        return {"version": version, "iteration": iteration, "parent": parent, **written,
+                "manifest": manifest}
+
+    cfg_shard_size: int = 512 * 1024 * 1024  # set by the group from WeightsConfig
+
+    def set_shard_size(self, shard_size: int) -> None:
+        self.cfg_shard_size = shard_size
+
+    def offload(self) -> None:
+        """Move weights and optimizer state to CPU (frees the GPU for colocated engines)."""
+        if self.device.type != "cpu" and self.model is not None:
+            bt.move_state(self.model, self.optim, torch.device("cpu"))
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self.device.type != "cpu" and self.model is not None:
+            bt.move_state(self.model, self.optim, self.device)
+
+    # -- training ----------------------------------------------------------
+    def train_step(self, k: int) -> dict[str, float]:
+        """One optimizer step on rollouts ``k``; requires trainer state ``k - 1``."""
+        self._require_at(k - 1, f"train_step({k})")
+        t0 = time.perf_counter()
+        data = self.store().read_rollouts(k)
+        if data is None:
+            raise FileNotFoundError(
+                f"no persisted rollouts for iteration {k} in run {self.run_name!r}; "
+                f"run rollout({k}) before train({k})"
+            )
+        full = build_train_batch(RolloutBatch.from_json(data), self.pad_id)
+        start, end = rank_slice(full.size, self.rank, self.world_size)
+        mbs = micro_batches(full.rows(start, end), self.cfg.micro_batch_size)
+        torch.manual_seed(step_seed(self.seed, k, self.rank))
+        old, ref = self._reference_logprobs(mbs)
+        sums = self._accumulate(mbs, old, ref, full.num_tokens)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        self._iteration = k
+        return self._metrics(sums, float(grad_norm), full, time.perf_counter() - t0)
+
+    def _reference_logprobs(self, mbs: list) -> tuple[list, list]:
+        """Old logprobs from the current weights (ratio starts at 1) and reference
+        logprobs when the KL term is on; no autograd graph kept."""
+        old, ref = [], []
+        self.model.eval()
+        with torch.no_grad():
+            for mb in mbs:
+                mb = self._to_device(mb)
+                old.append(bt.token_logprobs(self.model, mb.input_ids, mb.attention_mask)[0])
+                if self.ref_model is not None:
+                    ref.append(
+                        bt.token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask)[0]
+                    )
+        return old, ref
+
+    def _accumulate(self, mbs: list, old: list, ref: list, global_tokens: int) -> torch.Tensor:
+        """Forward/backward each micro-batch; returns summed metrics for the all-reduce."""
+        lc = self.cfg.loss
+        self.model.train()
+        self.optim.zero_grad(set_to_none=True)
+        # FSDP averages gradients over ranks, so each rank divides by G / world_size.
+        denom = max(global_tokens, 1) / self.world_size
+        # [loss, pg_loss*n, clip_frac*n, kl*n, entropy*n, |old - rollout|*n, n]
+        sums = torch.zeros(7, dtype=torch.float64)
+        for i, mb in enumerate(mbs):
+            mb = self._to_device(mb)
+            lp, ent = bt.token_logprobs(
+                self.model, mb.input_ids, mb.attention_mask, with_entropy=True,
+                entropy_grad=lc.entropy_coef > 0,
+            )
+            loss, m = grpo_loss(
+                lp, old[i], mb.advantages, mb.loss_mask, lc.clip_eps,
+                ref_logprobs=ref[i] if ref else None, kl_coef=lc.kl_coef,
+                entropy=ent, entropy_coef=lc.entropy_coef, num_tokens=denom,
+            )
+            loss.backward()
+            n = float(mb.loss_mask.sum())
+            diff = float(((old[i] - mb.rollout_logprobs).abs() * mb.loss_mask).sum())
+            sums += torch.tensor([float(loss) / self.world_size, m["pg_loss"] * n,
+                                  m["clip_frac"] * n, m.get("kl", 0.0) * n,
+                                  m.get("entropy", 0.0) * n, diff, n], dtype=torch.float64)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(sums)
+        return sums
+
+    def _metrics(self, sums: torch.Tensor, grad_norm: float, full: Any, secs: float) -> dict:
+        n = max(float(sums[6]), 1.0)
+        tokens = int(full.attention_mask.sum())
+        return {
+            "iteration": self._iteration,
+            "loss": float(sums[0]),
+            "pg_loss": float(sums[1]) / n,
+            "clip_frac": float(sums[2]) / n,
+            "kl": float(sums[3]) / n,
+            "entropy": float(sums[4]) / n,
+            "rollout_logprob_abs_diff": float(sums[5]) / n,
+            "grad_norm": grad_norm,
+            "reward_mean": float(full.rewards.mean()),
+            "samples": full.size,
+            "response_tokens": int(n),
+            "tokens": tokens,
+            "train_s": secs,
+            "tokens_per_s": tokens / secs if secs > 0 else 0.0,
+        }
+
+    # -- helpers -----------------------------------------------------------
+    def _to_device(self, mb: Any) -> Any:
+        if self.device.type == "cpu":
+            return mb
+        import dataclasses
+
+        return dataclasses.replace(
+            mb, **{f.name: getattr(mb, f.name).to(self.device) for f in dataclasses.fields(mb)}
+        )
+
+    def _require_model(self) -> None:
+        if self.model is None:
+            raise RuntimeError("train actor has no model yet; call init_from_base(path) first")
+
+    def _require_at(self, k: int, what: str) -> None:
+        self._require_model()
+        if self._iteration != k:
+            raise StateMismatchError(
+                f"{what} needs trainer state {k}, but rank {self.rank} holds "
+                f"{self._iteration}; call TrainGroup.ensure_state({k}) first"
+            )

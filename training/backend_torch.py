@@ -1,0 +1,125 @@
+"""Torch backend: HF model building, FSDP2 sharding, logprobs and full state dicts.
+
+Owns how a model lives on a rank: device, process group, ``fully_shard`` per
+decoder layer + root, and gathering/loading full (unsharded) state dicts. Never
+reads or writes storage and never knows about iterations or rollouts.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers import AutoModelForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# cpu_offload + full_state_dict: rank 0 gets CPU tensors, the other ranks get {}.
+FULL_OFFLOADED = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FULL = StateDictOptions(full_state_dict=True)
+
+
+def pick_device(num_gpus_per_worker: float) -> torch.device:
+    if num_gpus_per_worker > 0 and torch.cuda.is_available():
+        # Ray sets CUDA_VISIBLE_DEVICES per actor, so the actor's GPU is always 0.
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def init_distributed(
+    rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device
+) -> None:
+    """Join the trainer process group (gloo on CPU, NCCL on GPU); no-op for one rank."""
+    if world_size <= 1 or dist.is_initialized():
+        return
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=10),
+    )
+
+
+def build_model(path: str, dtype: str, device: torch.device, world_size: int) -> nn.Module:
+    """Load the HF causal LM at ``path``; FSDP2-shard it when ``world_size`` > 1."""
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[dtype], attn_implementation="sdpa"
+    )
+    model.to(device)
+    if world_size > 1:
+        shard_model(model, device, world_size)
+    return model
+
+
+def shard_model(model: nn.Module, device: torch.device, world_size: int) -> None:
+    """``fully_shard`` each decoder layer (HF's ``_no_split_modules``), then the root,
+    so each layer's parameters are gathered only while that layer runs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    layer_types = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_types]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} names no decoder layer class in _no_split_modules; "
+            "the torch backend cannot shard it per layer"
+        )
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of each next token, [B, T-1], and optionally the entropy of each
+    next-token distribution. Computed in float32 whatever the model dtype."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    lp = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    return lp, entropy
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full CPU state dict on rank 0 ({} elsewhere). Collective: call on every rank."""
+    return get_model_state_dict(model, options=FULL_OFFLOADED)
+
+
+def full_optim_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    """Full CPU optimizer state keyed by FQN on rank 0 ({} elsewhere). Collective."""
+    return get_optimizer_state_dict(model, optim, options=FULL_OFFLOADED)
+
+
+def load_full_state(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    model_sd: dict[str, torch.Tensor],
+    optim_sd: dict,
+) -> None:
+    """Load full state dicts that every rank holds; each rank keeps its own shard."""
+    set_model_state_dict(model, model_sd, options=FULL)
+    set_optimizer_state_dict(model, optim, optim_sd, options=FULL)
+
+
+def move_state(model: nn.Module, optim: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move parameters and optimizer state to ``device`` (offload/onload)."""
+    model.to(device)
+    for state in optim.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device)

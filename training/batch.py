@@ -1,0 +1,98 @@
+"""Turn a persisted RolloutBatch into training tensors, and split them.
+
+Owns the token layout of a train batch (padding, next-token shift, loss mask)
+and the deterministic split over ranks and micro-batches. Never runs a model
+and never reads storage.
+
+Layout for a sample with prompt P and response R (lengths p, r)::
+
+    input_ids   [P0 .. Pp-1 R0 .. Rr-1 pad ..]        [B, T], T = max(p + r)
+    targets     input_ids[:, 1:]                       [B, T-1]
+    loss_mask   1 where targets[t] is a response token [B, T-1]
+                (t in p-1 .. p+r-2: logits at t predict token t+1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from rollout.types import RolloutBatch
+from training.advantages import grpo_advantages
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    input_ids: torch.Tensor  # [B, T] long, right-padded with pad_id
+    attention_mask: torch.Tensor  # [B, T] long, 1 on prompt + response tokens
+    loss_mask: torch.Tensor  # [B, T-1] float, 1 where the target is a response token
+    rollout_logprobs: torch.Tensor  # [B, T-1] float, engine logprobs on loss_mask, else 0
+    advantages: torch.Tensor  # [B] float, GRPO advantages of the whole batch
+    rewards: torch.Tensor  # [B] float
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Loss tokens (response tokens) in this batch."""
+        return int(self.loss_mask.sum().item())
+
+    def rows(self, start: int, end: int) -> TrainBatch:
+        """Rows [start, end), trimmed to their longest sequence (saves compute on padding)."""
+        length = max(int(self.attention_mask[start:end].sum(dim=1).max().item()), 2)
+        out = {}
+        for f in fields(self):
+            t = getattr(self, f.name)[start:end]
+            if t.dim() == 2:
+                t = t[:, : length - (1 if f.name in ("loss_mask", "rollout_logprobs") else 0)]
+            out[f.name] = t
+        return TrainBatch(**out)
+
+
+def build_train_batch(
+    batch: RolloutBatch, pad_id: int, normalize_std: bool = True
+) -> TrainBatch:
+    """Tensors for ``batch``; advantages are computed over the whole batch's groups."""
+    if not batch.samples:
+        raise ValueError(f"rollout batch of iteration {batch.iteration} has no samples")
+    seqs = [list(s.prompt_ids) + list(s.response_ids) for s in batch.samples]
+    size, length = len(seqs), max(2, max(len(q) for q in seqs))
+    input_ids = torch.full((size, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((size, length), dtype=torch.long)
+    loss_mask = torch.zeros((size, length - 1), dtype=torch.float32)
+    rollout_lp = torch.zeros((size, length - 1), dtype=torch.float32)
+    for i, (s, seq) in enumerate(zip(batch.samples, seqs)):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        if p < 1:
+            raise ValueError(f"sample {i} has an empty prompt; a prompt needs at least bos")
+        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention[i, : len(seq)] = 1
+        loss_mask[i, p - 1 : p + r - 1] = 1.0
+        if r and len(s.response_logprobs) == r:
+            rollout_lp[i, p - 1 : p + r - 1] = torch.tensor(s.response_logprobs)
+    rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+    advantages = grpo_advantages(rewards, batch.n_samples_per_prompt, normalize_std=normalize_std)
+    return TrainBatch(input_ids, attention, loss_mask, rollout_lp, advantages, rewards)
+
+
+def rank_slice(size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Contiguous rows [start, end) of ``rank``. Equal sizes, because every rank
+    must run the same number of micro-batches (FSDP collectives pair up)."""
+    if size % world_size != 0:
+        raise ValueError(
+            f"a train batch of {size} samples does not split over {world_size} ranks; "
+            "make prompts_per_iteration * n_samples_per_prompt a multiple of num_workers"
+        )
+    per = size // world_size
+    return rank * per, (rank + 1) * per
+
+
+def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
+    """Consecutive micro-batches of at most ``micro_batch_size`` rows, in order."""
+    return [
+        batch.rows(i, min(i + micro_batch_size, batch.size))
+        for i in range(0, batch.size, micro_batch_size)
+    ]

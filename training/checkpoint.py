@@ -1,0 +1,74 @@
+"""Trainer checkpoints in the run store: model, optimizer and RNG of one iteration.
+
+Owns the checkpoint file set (``model.safetensors``, ``optim.pt``, ``rng.pt``)
+and how it is written (rank 0, through the store's checkpoint writer, COMMIT
+last) and read back (every rank reads the full files and keeps its shard).
+Never decides which checkpoint to restore; the train group does.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from typing import Any
+
+import safetensors.torch
+import torch
+from torch import nn
+
+from training.backend_torch import full_model_state, full_optim_state, load_full_state
+from training.export import tensor_entry
+
+MODEL_FILE, OPTIM_FILE, RNG_FILE = "model.safetensors", "optim.pt", "rng.pt"
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(
+    store: Any, k: int, model: nn.Module, optim: torch.optim.Optimizer, rank: int, meta: dict
+) -> dict | None:
+    """Write checkpoint ``k``. Collective (every rank gathers); rank 0 writes and
+    commits and returns the meta, other ranks return None."""
+    model_sd = full_model_state(model)
+    optim_sd = full_optim_state(model, optim)
+    if rank != 0:
+        return None
+    from storage.safetensors_io import write_safetensors
+
+    writer = store.checkpoint_writer(k)
+    with writer.open(MODEL_FILE) as f:
+        write_safetensors(f, [tensor_entry(n, t) for n, t in model_sd.items()], {"format": "pt"})
+    # torch.save into memory first: the store's stream need not be seekable.
+    for name, obj in ((OPTIM_FILE, optim_sd), (RNG_FILE, rng_state())):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        with writer.open(name) as f:
+            f.write(buf.getvalue())
+    writer.commit(meta)
+    return meta
+
+
+def load(store: Any, k: int, model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    """Load checkpoint ``k`` into this rank's model and optimizer; returns its meta."""
+    meta = store.read_checkpoint_meta(k)
+    with store.open_checkpoint_file(k, MODEL_FILE) as f:
+        model_sd = safetensors.torch.load(f.read())
+    with store.open_checkpoint_file(k, OPTIM_FILE) as f:
+        optim_sd = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False)
+    with store.open_checkpoint_file(k, RNG_FILE) as f:
+        rng = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False)
+    load_full_state(model, optim, model_sd, optim_sd)
+    set_rng_state(rng)
+    return meta
