@@ -21,3 +21,6 @@ class EngineConfig(BaseModel):
     )
     pause_mode: Literal["abort", "in_place"] = "in_place"
     health_timeout_s: float = Field(30.0, gt=0)
+    batch_wait_s: float = Field(
+        0.005, ge=0, description="How long a non-full batch waits for more requests to join"
+    )

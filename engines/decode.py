@@ -61,15 +61,21 @@ def _left_pad(rows: list[Row], pad_id: int, device: torch.device):
 @functools.cache
 def _cache_kwarg(model_cls: type) -> str:
     # transformers 5.x renamed `past_key_values` to `cache`; accept both.
-    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
+    return (
+        "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
+    )
 
 
 def _forward(model, ids, mask, pos, cache: DynamicCache) -> torch.Tensor:
     """Logits ``[B, V]`` of the last position only (logits_to_keep=1)."""
     kwargs = {_cache_kwarg(type(model)): cache}
     out = model(
-        input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-        logits_to_keep=1, **kwargs,
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        use_cache=True,
+        logits_to_keep=1,
+        **kwargs,
     )
     return out.logits[:, -1, :]
 
@@ -97,6 +103,9 @@ def decode(
     live = list(range(len(rows)))  # indices into rows, aligned with the batch dim
     next_pos = pos[:, -1] + 1
     while True:
+        # One device->host copy per step, then sampling on CPU: no per-row
+        # syncs on GPU, and a seed gives the same draw on CPU and GPU.
+        logits = logits.float().cpu()
         step_tokens = []
         for b, r in enumerate(live):
             tok, lp = sample_row(logits[b], rows[r].params, rows[r].generator)

@@ -4,7 +4,7 @@ Owns one model replica, its request queue and its pause/version state. Method
 names and result shapes follow SGLang's HTTP endpoints (``/generate``,
 ``/update_weights_from_disk``, ``/pause_generation`` ...), so callers cannot
 tell it from an SGLang server. It is a plain class; ``engines.group`` wraps it
-as a threaded Ray actor (see ``actor_options``). It never imports prefect and
+as a threaded Ray actor (see ``actor_class``). It never imports prefect and
 never reads storage other than the local HF directory it is pointed at.
 
 Threads: ``generate`` calls (up to ``GENERATE_CONCURRENCY`` at once) only
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,12 +57,16 @@ GENERATE_CONCURRENCY = 8
 CONTROL_CONCURRENCY = 4
 
 
-def actor_options() -> dict[str, Any]:
-    """Ray actor options the engine needs: threaded generate + a control group."""
-    return {
-        "max_concurrency": GENERATE_CONCURRENCY,
-        "concurrency_groups": {CONTROL_GROUP: CONTROL_CONCURRENCY},
-    }
+def actor_class() -> Any:
+    """EmbeddedEngine as a Ray actor class: threaded generate + a control group.
+
+    Concurrency groups can only be set in ``ray.remote``, not ``.options``;
+    callers add placement, name and lifetime with ``.options``.
+    """
+    return ray.remote(
+        max_concurrency=GENERATE_CONCURRENCY,
+        concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY},
+    )(EmbeddedEngine)
 
 
 _control = ray.method(concurrency_group=CONTROL_GROUP)
@@ -156,6 +161,7 @@ class EmbeddedEngine:
             with self._cond:
                 while not self._queue or self._paused:
                     self._cond.wait()
+                self._gather()
                 batch = [
                     self._queue.popleft()
                     for _ in range(min(len(self._queue), self._cfg.max_batch_size))
@@ -170,7 +176,7 @@ class EmbeddedEngine:
                     rows,
                     self._pad_id(),
                     self._device,
-                    between_steps=lambda: self._between_steps(epoch),
+                    between_steps=lambda e=epoch: self._between_steps(e),
                     step_lock=self._step_lock,
                 )
             except Exception as e:  # a failed batch must not kill the worker thread
@@ -182,13 +188,27 @@ class EmbeddedEngine:
                     self._deliver(call, i, row, error)
                 self._cond.notify_all()
 
+    def _gather(self) -> None:
+        """Wait up to batch_wait_s for more requests to join a non-full batch (holds cond).
+
+        A batch runs to completion before the next one starts (no continuous
+        batching), so calls that arrive a moment apart, like the per-group
+        calls of ``EngineGroup.generate_groups``, should start together.
+        """
+        deadline = time.monotonic() + self._cfg.batch_wait_s
+        while len(self._queue) < self._cfg.max_batch_size and not self._paused:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(timeout=left)
+
     def _row(self, prompt: list[int], sp: SamplingParams) -> Row:
         stop = self._eos if sp.stop_token_ids is None else frozenset(sp.stop_token_ids)
         return Row(
             prompt=prompt,
             params=sp,
             stop_ids=stop,
-            generator=make_generator(sp.sampling_seed, self._device),
+            generator=make_generator(sp.sampling_seed),
             version_start=self._weight_version,
         )
 
@@ -224,6 +244,7 @@ class EmbeddedEngine:
                 ],
                 "prompt_tokens": len(row.prompt),
                 "completion_tokens": len(row.output_ids),
+                "engine_id": self.engine_id,
             },
         }
         call.remaining -= 1
@@ -341,8 +362,10 @@ class EmbeddedEngine:
     def health_generate(self) -> bool:
         """A 1-token greedy generation outside the queue, so it answers while paused."""
         bos = self._tokenizer.bos_token_id
-        row = self._row([bos if bos is not None else self._pad_id()], SamplingParams(
-            temperature=0.0, max_new_tokens=1, stop_token_ids=()))
+        row = self._row(
+            [bos if bos is not None else self._pad_id()],
+            SamplingParams(temperature=0.0, max_new_tokens=1, stop_token_ids=()),
+        )
         try:
             decode(self._model, [row], self._pad_id(), self._device, step_lock=self._step_lock)
         except Exception:

@@ -13,9 +13,13 @@ import torch
 from engines.types import SamplingParams
 
 
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    """A generator owned by one request, seeded only by its sampling_seed."""
-    g = torch.Generator(device=device)
+def make_generator(seed: int) -> torch.Generator:
+    """A CPU generator owned by one request, seeded only by its sampling_seed.
+
+    Sampling always runs on CPU (the decode loop copies each step's logits
+    to host), so the same seed draws the same way on any device.
+    """
+    g = torch.Generator(device="cpu")
     g.manual_seed(seed)
     return g
 

@@ -63,6 +63,7 @@ class MetaInfo(TypedDict):
     output_token_logprobs: list[list[Any]]  # [[logprob, token_id, None], ...] per output token
     prompt_tokens: int
     completion_tokens: int
+    engine_id: int  # which engine served it (not in SGLang; for balancing and debugging)
 
 
 class GenerateResult(TypedDict):

@@ -22,9 +22,8 @@ def _run(args: argparse.Namespace) -> int:
         ctx, rows, seconds = run_plain(cfg)
         print(summary(rows, ctx.store.url, ctx.store.committed_versions(), seconds))
         return 0
-    from flows.training import TrainingParams, rl_training
-
     from flows.config import parse_override
+    from flows.training import TrainingParams, rl_training
 
     overrides = dict(parse_override(item) for item in args.set)
     state = rl_training(

@@ -24,10 +24,12 @@ a rerun finds the first uncommitted step in the ledger and heals from storage.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from prefect import flow, unmapped
 
+from flows.artifacts import iteration_table
 from tasks import rl_tasks
 from tasks.context import RunContext
 
@@ -44,27 +46,41 @@ def _opts(ctx: RunContext, t, retries: bool = True):
 
 
 def result_storage(ctx: RunContext):
-    """Persisted task results live under the run root, beside the ledger."""
+    """Persisted task results live under the run root, beside the ledger.
+
+    Task runs on Ray workers need the block saved server-side; it is saved once
+    per flow process under a name derived from the run's URL.
+    """
+    url = f"{ctx.store.url}/prefect-results"
+    if url in _saved_storage:
+        return _saved_storage[url]
     from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 
-    url = f"{ctx.store.url}/prefect-results"
     if "://" in url and not url.startswith("file://"):
         settings = {}
         if ctx.cfg.storage.s3.endpoint_url:
             settings["client_kwargs"] = {"endpoint_url": ctx.cfg.storage.s3.endpoint_url}
-        return RemoteFileSystem(basepath=url, settings=settings)
-    return LocalFileSystem(basepath=url.removeprefix("file://"))
+        block = RemoteFileSystem(basepath=url, settings=settings)
+    else:
+        block = LocalFileSystem(basepath=url.removeprefix("file://"))
+    digest = hashlib.sha256(url.encode()).hexdigest()[:10]
+    block.save(name=f"prefect-rl-results-{digest}", overwrite=True)
+    _saved_storage[url] = block
+    return block
+
+
+_saved_storage: dict[str, object] = {}
 
 
 @flow(name="rl-iteration", flow_run_name="{ctx.run_name}:iter[k={k}]", log_prints=True)
 def rl_iteration(ctx: RunContext, k: int) -> dict[str, Any]:
     engines = list(range(ctx.cfg.engines.num_engines))
     rollout = _opts(ctx, rl_tasks.rollout).submit(ctx, k)
-    train = _opts(ctx, rl_tasks.train).submit(ctx, k, wait_for=[rollout])
-    save = _opts(ctx, rl_tasks.save_checkpoint).submit(ctx, k, wait_for=[train])
-    publish = _opts(ctx, rl_tasks.publish_weights).submit(ctx, k, wait_for=[save])
-    reloads = _opts(ctx, rl_tasks.reload_engine).map(unmapped(ctx), k, engines, wait_for=[publish])
-    verifies = _opts(ctx, rl_tasks.verify_engine).map(unmapped(ctx), k, engines, wait_for=reloads)
+    train = _opts(ctx, rl_tasks.train).submit(ctx, k, upstream=rollout)
+    save = _opts(ctx, rl_tasks.save_checkpoint).submit(ctx, k, upstream=train)
+    publish = _opts(ctx, rl_tasks.publish_weights).submit(ctx, k, upstream=save)
+    reloads = _opts(ctx, rl_tasks.reload_engine).map(unmapped(ctx), k, engines, upstream=unmapped(publish))
+    verifies = _opts(ctx, rl_tasks.verify_engine).map(unmapped(ctx), k, engines, upstream=reloads)
     results: dict[str, Any] = {
         "rollout": rollout.result(),
         "train": train.result(),
@@ -76,4 +92,5 @@ def rl_iteration(ctx: RunContext, k: int) -> dict[str, Any]:
     for e, fut in zip(engines, verifies):
         results[f"verify-e{e}"] = fut.result()
     row = _opts(ctx, rl_tasks.finish_iteration).submit(ctx, k, results).result()
+    iteration_table(ctx.run_name, k, row)
     return {**results, "row": row}

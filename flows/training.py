@@ -14,7 +14,8 @@ from prefect import flow, get_run_logger
 from prefect_ray import RayTaskRunner
 from pydantic import BaseModel, ConfigDict, Field
 
-from flows.config import load_config
+from flows import artifacts
+from flows.config import RunConfig, load_config
 from flows.iteration import rl_iteration
 from flows.progress import iteration_line, summary
 from tasks import steps
@@ -33,6 +34,13 @@ class TrainingParams(BaseModel):
         title="Overrides",
         description='Dotted keys, e.g. {"run.iterations": 30, "run.name": "exp1"}',
     )
+    extra_iterations: int | None = Field(
+        None,
+        ge=1,
+        le=100000,
+        title="Continue by N iterations",
+        description="Run N iterations past the last committed one (the nightly deployment uses this)",
+    )
     force_lease: bool = Field(False, title="Take over the lease", description="Only when the holder is dead")
 
 
@@ -41,6 +49,8 @@ def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
     params = params or TrainingParams()
     logger = get_run_logger()
     cfg = load_config(params.config_path, params.overrides)
+    if params.extra_iterations:
+        cfg = continued(cfg, params.extra_iterations)
     ctx = prepare_run(cfg, force_lease=params.force_lease)
     start = steps.first_unfinished(ctx)
     total = cfg.run.iterations
@@ -52,13 +62,33 @@ def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
         else:
             logger.info("run %r: iterations %d..%d (store %s)", cfg.run.name, start, total, ctx.store.url)
         iteration = rl_iteration.with_options(task_runner=RayTaskRunner(address=cfg.ray.address))
+        progress = artifacts.start_progress(cfg.run.name, start - 1, total)
+        step_seconds: dict[str, float] = {}
         for k in range(start, total + 1):
             out = iteration(ctx, k)
             rows.append(out["row"])
+            for step, result in out.items():
+                if isinstance(result, dict) and "step_s" in result:
+                    name = step.split("-e")[0]
+                    step_seconds[name] = step_seconds.get(name, 0.0) + result["step_s"]
             print(iteration_line(out["row"], total))
+            artifacts.update_progress(progress, k, total)
+        artifacts.run_summary(ctx, rows, step_seconds)
         if rows:
-            ctx.engines().shutdown()
+            # The trainer's devices are freed. Engines stay up on a persistent
+            # cluster (they serve the final version); a local one ends with us.
             ctx.trainer().shutdown()
+            if cfg.ray.address is None:
+                ctx.engines().shutdown()
     text = summary(rows, ctx.store.url, ctx.store.committed_versions(), time.perf_counter() - t0)
     print(text)
     return {"run": cfg.run.name, "iterations": [r["iteration"] for r in rows], "summary": text}
+
+
+def continued(cfg: RunConfig, extra: int) -> RunConfig:
+    """The config with run.iterations set to (last committed iteration + extra)."""
+    from storage.run_store import RunStore
+
+    store = RunStore(cfg.storage, cfg.run.name)
+    done = max((m["iteration"] for m in store.read_metrics()), default=0)
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"iterations": done + extra})})

@@ -14,12 +14,20 @@ class S3Options(BaseModel):
     endpoint_url: str | None = None  # e.g. http://127.0.0.1:5000 for a moto server
     region: str | None = None
     anon: bool = False
+    # Added: botocore attempts per request (standard retry mode); None keeps botocore's default.
+    max_attempts: int | None = Field(None, ge=1)
 
 
 class StorageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    root: str = Field("runs", description="Run root: a plain path, file://, s3://bucket/prefix, ...")
-    keep_last: int | None = Field(None, ge=1, description="Keep this many versions/checkpoints; None keeps all")
-    lease_ttl_s: float = Field(60.0, gt=0, description="A lease not renewed for this long may be taken over")
+    root: str = Field(
+        "runs", description="Run root: a plain path, file://, s3://bucket/prefix, ..."
+    )
+    keep_last: int | None = Field(
+        None, ge=1, description="Keep this many versions/checkpoints; None keeps all"
+    )
+    lease_ttl_s: float = Field(
+        60.0, gt=0, description="A lease not renewed for this long may be taken over"
+    )
     s3: S3Options = S3Options()

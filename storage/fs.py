@@ -19,7 +19,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from storage.config import S3Options
 from storage.errors import StorageError
-from storage.layout import TMP_PREFIX
+from storage.layout import TMP_PREFIX, parse_iter
 
 
 def open_root(root: str, s3: S3Options | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -45,8 +45,12 @@ def open_root(root: str, s3: S3Options | None = None) -> tuple[fsspec.AbstractFi
         client_kwargs: dict[str, Any] = {}
         if opts.region:
             client_kwargs["region_name"] = opts.region
+        config_kwargs: dict[str, Any] = {}
+        if opts.max_attempts is not None:
+            config_kwargs["retries"] = {"max_attempts": opts.max_attempts, "mode": "standard"}
         fs = s3fs.S3FileSystem(
             anon=opts.anon,
+            config_kwargs=config_kwargs,
             endpoint_url=opts.endpoint_url,
             client_kwargs=client_kwargs,
             # Other processes commit versions; a cached listing would hide them.
@@ -75,7 +79,9 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes, exclusive: bool = False) -> bool:
+def write_bytes(
+    fs: fsspec.AbstractFileSystem, path: str, data: bytes, exclusive: bool = False
+) -> bool:
     """Write ``data`` so readers see the old object or the new one, never a torn one.
 
     With ``exclusive`` the write only happens if ``path`` does not exist yet;
@@ -83,10 +89,16 @@ def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes, exclusive
     """
     if is_local(fs):
         return _write_local(path, data, exclusive)
-    if exclusive and fs.exists(path):
+    if not exclusive:
+        fs.pipe_file(path, data)  # one PUT is atomic on S3; no parent "folder" to create
+        return True
+    if fs.exists(path):
         return False
-    # One PUT is atomic on S3; the parent "folder" needs no creation.
-    fs.pipe_file(path, data)
+    try:
+        # If-None-Match: * closes the race between the check above and the PUT.
+        fs.pipe_file(path, data, mode="create")
+    except FileExistsError:
+        return False
     return True
 
 
@@ -173,3 +185,8 @@ def rm_file(fs: fsspec.AbstractFileSystem, path: str) -> None:
         fs.rm_file(path)
     except FileNotFoundError:
         pass
+
+
+def parse_iter_dirs(names: list[str]) -> list[int]:
+    """Sorted iterations of the ``iter_000012`` entries among ``names``."""
+    return sorted(k for n in names if (k := parse_iter(n)) is not None)

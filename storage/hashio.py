@@ -132,7 +132,9 @@ class LocalHashingWriter(HashingWriter):
     committing, so the next file can be produced while this one reaches the disk.
     """
 
-    def __init__(self, name: str, path: str, on_close: Callable[[HashingWriter], None] | None = None):
+    def __init__(
+        self, name: str, path: str, on_close: Callable[[HashingWriter], None] | None = None
+    ):
         super().__init__(name, on_close)
         self.path = path
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -219,12 +221,17 @@ class S3HashingWriter(HashingWriter):
 
     def _finish(self) -> None:
         if self._upload_id is None:
-            self._call("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._pending)).result()
+            self._call(
+                "put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._pending)
+            ).result()
         else:
             try:
                 if self._pending:
                     self._send(bytes(self._pending))
-                parts = [{"PartNumber": i + 1, "ETag": f.result()["ETag"]} for i, f in enumerate(self._parts)]
+                parts = [
+                    {"PartNumber": i + 1, "ETag": f.result()["ETag"]}
+                    for i, f in enumerate(self._parts)
+                ]
                 self._call(
                     "complete_multipart_upload",
                     Bucket=self._bucket,
@@ -245,7 +252,10 @@ class S3HashingWriter(HashingWriter):
             f.cancel()
         try:
             self._call(
-                "abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id
+                "abort_multipart_upload",
+                Bucket=self._bucket,
+                Key=self._key,
+                UploadId=self._upload_id,
             ).result(timeout=30)
         except Exception:
             pass  # best effort: an unfinished upload is invisible to readers anyway

@@ -9,7 +9,6 @@ manifest copied last. Must never write outside ``cache_dir/.tmp-*`` and
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import uuid
@@ -19,8 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import fsspec
 
 from storage.errors import IntegrityError, ManifestError
-from storage.fs import dumps, fsync_dir, is_local, join
-from storage.hashio import READ_CHUNK
+from storage.fs import dumps, is_local, join
+from storage.hashio import READ_CHUNK, LocalHashingWriter
 from storage.layout import MANIFEST, TMP_PREFIX, version_name
 from storage.types import FileEntry, WeightsManifest
 from storage.weights import parse_manifest
@@ -42,16 +41,21 @@ def pull_version(
     if _cache_ok(dest, manifest):
         return dest
     os.makedirs(cache_dir, exist_ok=True)
-    stage = os.path.join(cache_dir, f"{TMP_PREFIX}{version_name(manifest.version)}-{uuid.uuid4().hex}")
+    stage = os.path.join(
+        cache_dir, f"{TMP_PREFIX}{version_name(manifest.version)}-{uuid.uuid4().hex}"
+    )
     os.makedirs(stage)
     try:
         files = sorted(manifest.files, key=lambda f: -f.bytes)  # big first: better overlap
         n = max(1, min(workers, len(files)))
-        with ThreadPoolExecutor(n, thread_name_prefix="storage-pull") as files_pool, ThreadPoolExecutor(
-            max(2, workers), thread_name_prefix="storage-range"
-        ) as range_pool:
+        with (
+            ThreadPoolExecutor(n, thread_name_prefix="storage-pull") as files_pool,
+            ThreadPoolExecutor(max(2, workers), thread_name_prefix="storage-range") as range_pool,
+        ):
             futs = [
-                files_pool.submit(_pull_file, fs, version_dir, f, stage, retries, range_pool, workers)
+                files_pool.submit(
+                    _pull_file, fs, version_dir, f, stage, retries, range_pool, workers
+                )
                 for f in files
             ]
             for fut in futs:
@@ -61,8 +65,9 @@ def pull_version(
             out.write(dumps(manifest.model_dump(mode="json")))
         if os.path.exists(dest):
             shutil.rmtree(dest)  # an incomplete/stale copy of this very version
+        # No fsync: this is a cache. After a crash a copy is reused only if its manifest
+        # and every file size match; anything else is pulled again.
         os.rename(stage, dest)
-        fsync_dir(cache_dir)
         return dest
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -123,17 +128,25 @@ def _pull_file(
 
 
 def _copy_hashing(
-    fs: fsspec.AbstractFileSystem, src: str, dst: str, size: int, pool: ThreadPoolExecutor, lookahead: int
+    fs: fsspec.AbstractFileSystem,
+    src: str,
+    dst: str,
+    size: int,
+    pool: ThreadPoolExecutor,
+    lookahead: int,
 ) -> tuple[int, str]:
-    sha = hashlib.sha256()
-    n = 0
     chunks = _local_chunks(src) if is_local(fs) else _remote_chunks(fs, src, size, pool, lookahead)
-    with open(dst, "wb", buffering=0) as out:
+    # The hashing writer overlaps sha256 of a chunk with writing it to the cache.
+    out = LocalHashingWriter(os.path.basename(dst), dst)
+    try:
         for chunk in chunks:
-            sha.update(chunk)
             out.write(chunk)
-            n += len(chunk)
-    return n, sha.hexdigest()
+    except BaseException:
+        out.abort()
+        raise
+    out.close()
+    assert out.sha256 is not None
+    return out.bytes, out.sha256
 
 
 def _local_chunks(src: str) -> Iterator[memoryview]:
@@ -148,7 +161,9 @@ def _remote_chunks(
     fs: fsspec.AbstractFileSystem, src: str, size: int, pool: ThreadPoolExecutor, lookahead: int
 ) -> Iterator[bytes]:
     """In-order chunks of ``src`` fetched by concurrent ranged GETs (``size`` was checked)."""
-    starts = list(range(0, size, _RANGE)) or [0]
+    if size == 0:
+        return
+    starts = list(range(0, size, _RANGE))
     pending: list[Future] = []
     it = iter(starts)
 
@@ -157,7 +172,7 @@ def _remote_chunks(
             s = next(it, None)
             if s is None:
                 return
-            pending.append(pool.submit(fs.cat_file, src, s, min(s + _RANGE, size)))
+            pending.append(pool.submit(fs.cat_file, src, start=s, end=min(s + _RANGE, size)))
 
     fill()
     while pending:

@@ -38,7 +38,9 @@ from storage.types import FileEntry, WeightsManifest
 def parse_manifest(data: bytes | None, where: str, version: int | None = None) -> WeightsManifest:
     """Validate manifest bytes; every failure is a ManifestError naming ``where``."""
     if data is None:
-        raise ManifestError(f"{where} is missing: the version was never committed (or is being deleted)")
+        raise ManifestError(
+            f"{where} is missing: the version was never committed (or is being deleted)"
+        )
     try:
         raw = json.loads(data)
     except ValueError as e:
@@ -46,9 +48,13 @@ def parse_manifest(data: bytes | None, where: str, version: int | None = None) -
     try:
         m = WeightsManifest.model_validate(raw)
     except ValidationError as e:
-        raise ManifestError(f"{where} is invalid: {e.errors()[0]['msg']} ({e.error_count()} errors); republish the version") from e
+        raise ManifestError(
+            f"{where} is invalid: {e.errors()[0]['msg']} ({e.error_count()} errors); republish the version"
+        ) from e
     if version is not None and m.version != version:
-        raise ManifestError(f"{where} says version {m.version}, but its folder is {version_name(version)}")
+        raise ManifestError(
+            f"{where} says version {m.version}, but its folder is {version_name(version)}"
+        )
     return m
 
 
@@ -107,7 +113,11 @@ class WeightsWriter:
         self._open: dict[str, HashingWriter] = {}
         self._done: dict[str, FileEntry] = {}
         self._fsyncs: list[Future] = []
-        self._sync_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="storage-fsync") if self._local else None
+        self._sync_pool = (
+            ThreadPoolExecutor(max_workers=2, thread_name_prefix="storage-fsync")
+            if self._local
+            else None
+        )
         self._failed: str | None = None
         self._finished = False
         try:
@@ -117,7 +127,9 @@ class WeightsWriter:
         if self._existing is not None:
             self._stage = ""
         elif self._local:
-            self._stage = join(weights_dir, f"{TMP_PREFIX}{version_name(version)}-{uuid.uuid4().hex}")
+            self._stage = join(
+                weights_dir, f"{TMP_PREFIX}{version_name(version)}-{uuid.uuid4().hex}"
+            )
             os.makedirs(self._stage)
         else:
             # Leftovers of an earlier failed attempt are invisible (no manifest) but would mix in.
@@ -134,15 +146,25 @@ class WeightsWriter:
         check_file_name(name, (MANIFEST,))
         with self._lock:
             if self._finished:
-                raise StorageError(f"weights writer for {version_name(self.version)} is already committed/aborted")
+                raise StorageError(
+                    f"weights writer for {version_name(self.version)} is already committed/aborted"
+                )
             if name in self._open or name in self._done:
-                raise StorageError(f"file {name!r} was already written to {version_name(self.version)}; names must be unique")
+                raise StorageError(
+                    f"file {name!r} was already written to {version_name(self.version)}; names must be unique"
+                )
             if self._existing is not None:
                 w: HashingWriter = NullHashingWriter(name, self._closed)
             elif self._local:
                 w = LocalHashingWriter(name, join(self._stage, name), self._closed)
             else:
-                w = S3HashingWriter(name, self.fs, join(self._stage, name), self._closed, max_inflight=self._inflight)
+                w = S3HashingWriter(
+                    name,
+                    self.fs,
+                    join(self._stage, name),
+                    self._closed,
+                    max_inflight=self._inflight,
+                )
             self._open[name] = w
         orig_abort = w.abort
 
@@ -175,11 +197,17 @@ class WeightsWriter:
         """Write manifest.json last (the commit) and return it."""
         with self._lock:
             if self._failed:
-                raise StorageError(f"file {self._failed!r} failed while writing; {version_name(self.version)} was not committed, publish it again")
+                raise StorageError(
+                    f"file {self._failed!r} failed while writing; {version_name(self.version)} was not committed, publish it again"
+                )
             if self._open:
-                raise StorageError(f"files {sorted(self._open)} were opened but not closed; close them before commit")
+                raise StorageError(
+                    f"files {sorted(self._open)} were opened but not closed; close them before commit"
+                )
             if self._finished:
-                raise StorageError(f"weights writer for {version_name(self.version)} was already committed/aborted")
+                raise StorageError(
+                    f"weights writer for {version_name(self.version)} was already committed/aborted"
+                )
             self._finished = True
         try:
             if self._existing is not None:
@@ -220,8 +248,12 @@ class WeightsWriter:
         fsync_dir(self._weights_dir)
         return m
 
-    def _same_or_conflict(self, existing: WeightsManifest, new: WeightsManifest | None = None) -> WeightsManifest:
-        files = new.file_set() if new else {(f.name, f.bytes, f.sha256) for f in self._done.values()}
+    def _same_or_conflict(
+        self, existing: WeightsManifest, new: WeightsManifest | None = None
+    ) -> WeightsManifest:
+        files = (
+            new.file_set() if new else {(f.name, f.bytes, f.sha256) for f in self._done.values()}
+        )
         if files == existing.file_set():
             return existing
         diff = sorted({n for n, _, _ in files ^ existing.file_set()})

@@ -21,7 +21,7 @@ def run_step(ctx, k: int, step: str, work: Callable[[], dict[str, Any]]) -> dict
     store = ctx.store
     record = store.read_record(k, step)
     if record is not None:
-        return {**record["result"], "cached": True}
+        return {**record["result"], "cached": True, "step_s": record.get("seconds", 0.0)}
     t0 = time.perf_counter()
     result = work()
     seconds = time.perf_counter() - t0
@@ -37,4 +37,4 @@ def run_step(ctx, k: int, step: str, work: Callable[[], dict[str, Any]]) -> dict
             "committed_at": datetime.now(timezone.utc).isoformat(),
         },
     )
-    return {**result, "cached": False}
+    return {**result, "cached": False, "step_s": round(seconds, 4)}

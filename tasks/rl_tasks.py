@@ -18,6 +18,11 @@ from tasks import steps
 from tasks.context import RunContext
 
 
+# ``upstream`` is the result of the step before. Passing it as a parameter (not
+# only as wait_for) lets Ray itself hold a task until its upstream finished, so
+# a task never occupies a Ray worker while it waits; it is not part of any key.
+
+
 def _ledger_key(step: str):
     def key(_context, parameters: dict[str, Any]) -> str:
         ctx: RunContext = parameters["ctx"]
@@ -33,17 +38,17 @@ def rollout(ctx: RunContext, k: int) -> dict[str, Any]:
 
 
 @task(name="train", task_run_name="{ctx.run_name}:train[k={k}]", cache_key_fn=_ledger_key("train"))
-def train(ctx: RunContext, k: int) -> dict[str, Any]:
+def train(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, Any]:
     return steps.train(ctx, k)
 
 
 @task(name="save_checkpoint", task_run_name="{ctx.run_name}:save[k={k}]", cache_key_fn=_ledger_key("save"))
-def save_checkpoint(ctx: RunContext, k: int) -> dict[str, Any]:
+def save_checkpoint(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, Any]:
     return steps.save_checkpoint(ctx, k)
 
 
 @task(name="publish_weights", task_run_name="{ctx.run_name}:publish[k={k}]", cache_key_fn=_ledger_key("publish"))
-def publish_weights(ctx: RunContext, k: int) -> dict[str, Any]:
+def publish_weights(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, Any]:
     return steps.publish_weights(ctx, k)
 
 
@@ -52,13 +57,13 @@ def publish_weights(ctx: RunContext, k: int) -> dict[str, Any]:
     task_run_name="{ctx.run_name}:reload[k={k},engine={engine_id}]",
     cache_key_fn=_ledger_key("reload"),
 )
-def reload_engine(ctx: RunContext, k: int, engine_id: int) -> dict[str, Any]:
+def reload_engine(ctx: RunContext, k: int, engine_id: int, upstream: Any = None) -> dict[str, Any]:
     return steps.reload_engine(ctx, k, engine_id)
 
 
 # Verify is never cached: it must look at what the engines serve now.
 @task(name="verify_engine", task_run_name="{ctx.run_name}:verify[k={k},engine={engine_id}]", cache_policy=NO_CACHE)
-def verify_engine(ctx: RunContext, k: int, engine_id: int) -> dict[str, Any]:
+def verify_engine(ctx: RunContext, k: int, engine_id: int, upstream: Any = None) -> dict[str, Any]:
     return steps.verify_engine(ctx, k, engine_id)
 
 

@@ -14,7 +14,6 @@ algorithms where torch has them. Same config + same world size → same bytes.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from typing import Any
 
@@ -25,7 +24,7 @@ from storage.config import StorageConfig
 from training import backend_torch as bt
 from training import checkpoint
 from training.batch import build_train_batch, micro_batches, rank_slice
-from training.config import ModelConfig, TrainConfig
+from training.config import ModelConfig, TrainConfig, WeightsConfig
 from training.export import drop_tied, manifest_dict, write_hf_weights
 from training.losses import grpo_loss
 
@@ -50,7 +49,9 @@ class TrainActor:
         storage_cfg: StorageConfig,
         run_name: str,
         seed: int,
+        weights_cfg: WeightsConfig | None = None,
     ) -> None:
+        self.weights_cfg = weights_cfg or WeightsConfig()
         self.rank, self.world_size = rank, world_size
         self.master_addr, self.master_port = master_addr, master_port
         self.cfg, self.model_cfg, self.storage_cfg = train_cfg, model_cfg, storage_cfg
@@ -136,16 +137,11 @@ class TrainActor:
             return None
         writer = self.store().weights_writer(version, iteration, parent)
         written = write_hf_weights(
-            writer, drop_tied(self.model, state), self.cfg_shard_size, self.base_model_path
+            writer, drop_tied(self.model, state), self.weights_cfg.shard_size, self.base_model_path
         )
         manifest = manifest_dict(writer.commit())
         return {"version": version, "iteration": iteration, "parent": parent, **written,
                 "manifest": manifest}
-
-    cfg_shard_size: int = 512 * 1024 * 1024  # set by the group from WeightsConfig
-
-    def set_shard_size(self, shard_size: int) -> None:
-        self.cfg_shard_size = shard_size
 
     def offload(self) -> None:
         """Move weights and optimizer state to CPU (frees the GPU for colocated engines)."""
@@ -156,6 +152,15 @@ class TrainActor:
     def onload(self) -> None:
         if self.device.type != "cpu" and self.model is not None:
             bt.move_state(self.model, self.optim, self.device)
+
+    def score(self, input_ids: list[list[int]]) -> torch.Tensor:
+        """Next-token logprobs [B, T-1] of equal-length ``input_ids`` under the
+        current weights (for evaluation and checks). Collective when sharded."""
+        self._require_model()
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        self.model.eval()
+        with torch.no_grad():
+            return bt.token_logprobs(self.model, ids, torch.ones_like(ids))[0].cpu()
 
     # -- training ----------------------------------------------------------
     def train_step(self, k: int) -> dict[str, float]:

@@ -22,5 +22,6 @@ def grpo_advantages(
     groups = rewards.float().view(-1, n)
     centred = groups - groups.mean(dim=1, keepdim=True)
     if normalize_std and n > 1:
-        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
+        std = groups.std(dim=1, keepdim=True)
+        centred = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
     return centred.reshape(-1)

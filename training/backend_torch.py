@@ -85,13 +85,18 @@ def token_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each next token, [B, T-1], and optionally the entropy of each
-    next-token distribution. Computed in float32 whatever the model dtype."""
+    next-token distribution. Computed in float32 whatever the model dtype.
+    The entropy keeps no graph unless ``entropy_grad`` (it is a [B, T, V] product)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     lp = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = -(logp.exp() * logp).sum(-1)
     return lp, entropy
 
 

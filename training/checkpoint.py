@@ -64,7 +64,11 @@ def load(store: Any, k: int, model: nn.Module, optim: torch.optim.Optimizer) -> 
     """Load checkpoint ``k`` into this rank's model and optimizer; returns its meta."""
     meta = store.read_checkpoint_meta(k)
     with store.open_checkpoint_file(k, MODEL_FILE) as f:
-        model_sd = safetensors.torch.load(f.read())
+        loaded = safetensors.torch.load(f.read())
+    # safetensors returns keys in a per-process order; loading issues one collective
+    # per tensor, so every rank must walk the same order (the model's own).
+    model_sd = {name: loaded[name] for name in model.state_dict() if name in loaded}
+    model_sd.update({name: loaded[name] for name in sorted(loaded) if name not in model_sd})
     with store.open_checkpoint_file(k, OPTIM_FILE) as f:
         optim_sd = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False)
     with store.open_checkpoint_file(k, RNG_FILE) as f:

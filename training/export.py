@@ -10,7 +10,6 @@ state dict in) and never decides when to publish.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -58,36 +57,19 @@ def drop_tied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, tor
 def write_hf_weights(
     writer: Any, state: dict[str, torch.Tensor], shard_size: int, base_model_path: str
 ) -> dict[str, Any]:
-    """Stream ``state`` into ``writer`` as HF shards, add config/tokenizer files.
-    Returns what was written; the caller commits."""
-    from storage.safetensors_io import plan_shards, write_safetensors
+    """Stream ``state`` into ``writer`` as HF shards (+ index), then add the
+    config/tokenizer files of the base directory. Returns what was written; the
+    caller commits."""
+    from storage.safetensors_io import write_hf_shards
 
-    names = list(state)
-    sizes = [state[n].numel() * state[n].element_size() for n in names]
-    plan = plan_shards(sizes, shard_size)
-    weight_map: dict[str, str] = {}
-    files: list[str] = []
-    for i, indices in enumerate(plan):
-        fname = (
-            "model.safetensors"
-            if len(plan) == 1
-            else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
-        )
-        with writer.open(fname) as f:
-            entries = [tensor_entry(names[j], state[names[j]]) for j in indices]
-            write_safetensors(f, entries, metadata={"format": "pt"})
-        weight_map.update({names[j]: fname for j in indices})
-        files.append(fname)
-    if len(plan) > 1:
-        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-        with writer.open("model.safetensors.index.json") as f:
-            f.write(json.dumps(index, indent=2, sort_keys=True).encode())
-        files.append("model.safetensors.index.json")
+    entries = [tensor_entry(name, t) for name, t in state.items()]
+    files = write_hf_shards(writer.open, entries, shard_size=shard_size)
     for path in sorted(Path(base_model_path).iterdir()):
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
             writer.add_file(path.name, str(path))
             files.append(path.name)
-    return {"shards": len(plan), "weight_bytes": sum(sizes), "files": files}
+    shards = sum(f.endswith(".safetensors") for f in files)
+    return {"shards": shards, "weight_bytes": sum(e.nbytes for e in entries), "files": files}
 
 
 def manifest_dict(manifest: Any) -> dict[str, Any]:
@@ -97,5 +79,5 @@ def manifest_dict(manifest: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(manifest):
         return dataclasses.asdict(manifest)
     if hasattr(manifest, "model_dump"):
-        return manifest.model_dump()
+        return manifest.model_dump(mode="json")
     return {"manifest": repr(manifest)}

@@ -1,0 +1,239 @@
+"""The engine group: naming, placement, restart and dispatch of rollout engines.
+
+Owns the driver-side view of a run's engines. It holds only names and config
+(it is picklable and can be passed between Prefect tasks); the engines
+themselves are detached, named Ray actors that any process on the cluster
+finds again by name:
+
+- engine ``i`` is the actor ``{run_name}/engine/{i}`` in ``namespace``, placed
+  on the single bundle of its own placement group ``{run_name}/engine-pg/{i}``;
+- a dead engine is replaced by ``restart``: kill, remove its placement group,
+  recreate, and load the version it is told to serve.
+
+``generate_groups`` dispatches prompt groups (the n samples of one prompt
+always go to one engine, as one call) to the engine with the fewest
+outstanding requests. If an engine dies mid-rollout, it is restarted and its
+unfinished groups are regenerated whole, so a group never mixes versions.
+
+It never decides which version should be served: the caller (the reload and
+verify tasks) does; a restart defaults to the version a live peer reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engines.config import EngineConfig
+from engines.embedded import GENERATE_CONCURRENCY, actor_class
+from engines.types import GenerateResult
+
+log = logging.getLogger(__name__)
+
+RestartFn = Callable[[int], None]
+
+
+class EngineGroup:
+    """Driver-side handle on a run's engines; holds names and config only."""
+
+    def __init__(self, run_name: str, cfg: EngineConfig, namespace: str = "prefect-rl") -> None:
+        self.run_name = run_name
+        self.cfg = cfg
+        self.namespace = namespace
+        # What start() was given: the fallback for restarts when no peer is alive.
+        self.model_path: str | None = None
+        self.weight_version: int = 0
+
+    def actor_name(self, i: int) -> str:
+        return f"{self.run_name}/engine/{i}"
+
+    def pg_name(self, i: int) -> str:
+        return f"{self.run_name}/engine-pg/{i}"
+
+    # ---- lifecycle --------------------------------------------------------
+
+    def start(self, model_path: str, weight_version: int = 0) -> None:
+        """Create every missing engine with ``model_path`` as ``weight_version``.
+
+        Idempotent: engines that already exist are left as they are (a reload
+        task, not start, changes what they serve). Returns once all are ready.
+        """
+        self.model_path, self.weight_version = model_path, int(weight_version)
+        handles = []
+        for i in range(self.cfg.num_engines):
+            h = self.handle(i)
+            handles.append(h if h is not None else self._create(i, model_path, weight_version))
+        ray.get([h.get_weight_version.remote() for h in handles])
+
+    def handle(self, i: int) -> ActorHandle | None:
+        """The engine's actor handle, or None if it does not exist (or died)."""
+        try:
+            return ray.get_actor(self.actor_name(i), namespace=self.namespace)
+        except ValueError:
+            return None
+
+    def handles(self) -> dict[int, ActorHandle]:
+        """Handles of the engines that exist now, by index."""
+        found = {i: self.handle(i) for i in range(self.cfg.num_engines)}
+        return {i: h for i, h in found.items() if h is not None}
+
+    def is_alive(self, i: int) -> bool:
+        """True if the engine answers a 1-token generation within health_timeout_s."""
+        h = self.handle(i)
+        if h is None:
+            return False
+        try:
+            return bool(ray.get(h.health_generate.remote(), timeout=self.cfg.health_timeout_s))
+        except (RayActorError, GetTimeoutError):
+            return False
+
+    def restart(self, i: int, model_path: str, weight_version: int) -> ActorHandle:
+        """Replace engine ``i`` with a fresh one serving ``weight_version``."""
+        self._kill(i)
+        log.warning("restarting %s at version %s", self.actor_name(i), weight_version)
+        h = self._create(i, model_path, weight_version)
+        ray.get(h.get_weight_version.remote())
+        return h
+
+    def shutdown(self) -> None:
+        """Kill every engine and remove its placement group."""
+        for i in range(self.cfg.num_engines):
+            self._kill(i)
+
+    def _kill(self, i: int) -> None:
+        h = self.handle(i)
+        if h is not None:
+            ray.kill(h, no_restart=True)
+        pg = self._find_pg(i)
+        if pg is not None:
+            ray.util.remove_placement_group(pg)
+
+    def _find_pg(self, i: int) -> PlacementGroup | None:
+        # The placement group table is cluster-wide, unlike get_placement_group,
+        # which only sees the calling job's namespace: a later flow run (another
+        # job) must still find and remove the group a former run created.
+        for pg_id, info in placement_group_table().items():
+            if info.get("name") == self.pg_name(i) and info.get("state") != "REMOVED":
+                return PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id)))
+        return None
+
+    def _create(self, i: int, model_path: str, weight_version: int) -> ActorHandle:
+        bundle: dict[str, float] = {"CPU": self.cfg.num_cpus_per_engine}
+        if self.cfg.num_gpus_per_engine > 0:
+            bundle["GPU"] = self.cfg.num_gpus_per_engine
+        pg = self._find_pg(i) or placement_group(
+            [bundle], strategy="STRICT_PACK", name=self.pg_name(i), lifetime="detached"
+        )
+        ray.get(pg.ready(), timeout=self.cfg.health_timeout_s)
+        options: dict[str, Any] = dict(
+            name=self.actor_name(i),
+            namespace=self.namespace,
+            lifetime="detached",
+            num_cpus=self.cfg.num_cpus_per_engine,
+            num_gpus=self.cfg.num_gpus_per_engine,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
+        )
+        cls = actor_class()
+        # ray.kill is asynchronous: the old actor's name can stay taken for a
+        # moment after a kill, so retry the named creation briefly.
+        deadline = time.monotonic() + self.cfg.health_timeout_s
+        while True:
+            try:
+                return cls.options(**options).remote(model_path, i, self.cfg, weight_version)
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def _default_restart(self, i: int) -> None:
+        """Restart ``i`` with the version a live peer serves, else start()'s."""
+        path, version = self.model_path, self.weight_version
+        for j, h in self.handles().items():
+            if j == i:
+                continue
+            try:
+                info = ray.get(h.model_info.remote(), timeout=self.cfg.health_timeout_s)
+            except (RayActorError, GetTimeoutError):
+                continue
+            path, version = info["model_path"], int(info["weight_version"])
+            break
+        if path is None:
+            raise ValueError("no model to restart with: call start() or pass restart_fn")
+        self.restart(i, path, version)
+
+    # ---- rollout ----------------------------------------------------------
+
+    def generate_groups(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: dict[str, Any],
+        seeds: list[list[int]],
+        restart_fn: RestartFn | None = None,
+        max_restarts: int = 2,
+    ) -> list[list[GenerateResult]]:
+        """Generate ``n`` samples per prompt; results in prompt order.
+
+        ``seeds[g][j]`` is the sampling_seed of sample j of prompt g. Groups go
+        to the live engine with the fewest outstanding requests, at most
+        GENERATE_CONCURRENCY calls per engine at a time. A dead engine is
+        restarted (``restart_fn(i)``, default: the version a live peer serves)
+        at most ``max_restarts`` times, and its groups are regenerated whole.
+        """
+        if len(seeds) != len(prompts) or any(len(s) != n for s in seeds):
+            raise ValueError("seeds must hold n seeds for each prompt")
+        restart = restart_fn or self._default_restart
+        engines = self.handles()
+        if not engines:
+            raise RuntimeError(f"no engines of run {self.run_name!r} exist: call start() first")
+        outstanding = {i: 0 for i in engines}  # requests in flight per engine
+        calls = {i: 0 for i in engines}  # calls in flight per engine
+        generation = {i: 0 for i in engines}  # bumped on each restart of that engine
+        restarts = {i: 0 for i in engines}
+        inflight: dict[ray.ObjectRef, tuple[int, int, int]] = {}  # ref -> (group, engine, gen)
+        pending = deque(range(len(prompts)))
+        results: list[list[GenerateResult] | None] = [None] * len(prompts)
+
+        while pending or inflight:
+            while pending:
+                free = [i for i in engines if calls[i] < GENERATE_CONCURRENCY]
+                if not free:
+                    break
+                i = min(free, key=lambda e: (outstanding[e], e))
+                g = pending.popleft()
+                params = [dict(sampling, sampling_seed=int(s)) for s in seeds[g]]
+                ref = engines[i].generate.remote([prompts[g]] * n, params)
+                inflight[ref] = (g, i, generation[i])
+                outstanding[i] += n
+                calls[i] += 1
+            [ref], _ = ray.wait(list(inflight), num_returns=1)
+            g, i, gen = inflight.pop(ref)
+            outstanding[i] -= n
+            calls[i] -= 1
+            try:
+                results[g] = ray.get(ref)
+            except RayActorError:
+                pending.appendleft(g)  # regenerate the whole group
+                if gen == generation[i]:  # first failure seen from this incarnation
+                    restarts[i] += 1
+                    if restarts[i] > max_restarts:
+                        raise
+                    restart(i)
+                    generation[i] += 1
+                    engines[i] = self._require(i)
+        return results  # type: ignore[return-value]
+
+    def _require(self, i: int) -> ActorHandle:
+        h = self.handle(i)
+        if h is None:
+            raise RuntimeError(f"{self.actor_name(i)} is missing after its restart")
+        return h

@@ -1,0 +1,50 @@
+"""Run reports without Prefect: the reward curve as PNG and the markdown summary."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+
+def reward_curve_png(rows: list[dict[str, Any]], title: str) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    ax.plot([r["iteration"] for r in rows], [r["reward_mean"] for r in rows], marker="o", ms=3)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def summary_markdown(
+    run: str,
+    store_url: str,
+    rows: list[dict[str, Any]],
+    versions: list[int],
+    step_seconds: dict[str, float],
+    serving: dict[int, int],
+) -> str:
+    lines = [f"# Run `{run}`", "", f"Storage: `{store_url}`", ""]
+    if rows:
+        first, last = rows[0], rows[-1]
+        lines += [
+            f"Iterations {first['iteration']}..{last['iteration']}: reward "
+            f"{first['reward_mean']:.3f} -> {last['reward_mean']:.3f}",
+            "",
+        ]
+    lines += ["## Versions", "", f"Committed: {', '.join(f'v{v}' for v in versions) or 'none'}  ",
+              f"Location: `{store_url}/weights/v{{k:06d}}`", ""]
+    lines += ["## Seconds per step (total over this flow run)", "", "| step | seconds |", "|---|---|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in step_seconds.items()]
+    lines += ["", "## Engines", "", "| engine | serves |", "|---|---|"]
+    lines += [f"| {e} | v{v} |" for e, v in sorted(serving.items())]
+    return "\n".join(lines)

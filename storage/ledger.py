@@ -1,0 +1,117 @@
+"""Small JSON records of a run: the ledger, metrics and which version each engine serves.
+
+Owns: one object per record, each written atomically, so no record is ever
+half written and concurrent writers never overwrite each other's records. The
+ledger is the source of truth for "step committed". Must not hold any state in
+memory between calls: every read goes to storage.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import fsspec
+
+from storage.errors import StorageError, VersionConflictError
+from storage.fs import dumps, join, ls_names, parse_iter_dirs, read_json, write_bytes
+from storage.layout import METRICS_JSONL, check_step, engine_name, iter_name, parse_engine
+
+
+def write_record(
+    fs: fsspec.AbstractFileSystem,
+    ledger_dir: str,
+    k: int,
+    step: str,
+    record: dict,
+    overwrite: bool = False,
+) -> None:
+    """Commit ``record`` for (k, step). Same record again: no-op. A different one:
+    VersionConflictError unless ``overwrite``."""
+    path = join(ledger_dir, iter_name(k), f"{check_step(step)}.json")
+    data = dumps(record)
+    if overwrite:
+        write_bytes(fs, path, data)
+        return
+    if write_bytes(fs, path, data, exclusive=True):
+        return
+    existing = read_json(fs, path)
+    if existing is not None and dumps(existing) == data:
+        return
+    raise VersionConflictError(
+        f"ledger step {step!r} of iteration {k} is already committed with a different record at {path}; "
+        "read it with read_record() instead of redoing the step, or pass overwrite=True to replace it"
+    )
+
+
+def read_record(fs: fsspec.AbstractFileSystem, ledger_dir: str, k: int, step: str) -> dict | None:
+    return read_json(fs, join(ledger_dir, iter_name(k), f"{check_step(step)}.json"))
+
+
+def committed_steps(fs: fsspec.AbstractFileSystem, ledger_dir: str, k: int) -> list[str]:
+    names = ls_names(fs, join(ledger_dir, iter_name(k)))
+    return sorted(n.removesuffix(".json") for n in names if n.endswith(".json"))
+
+
+def ledger_iterations(fs: fsspec.AbstractFileSystem, ledger_dir: str) -> list[int]:
+    """Iterations that have at least a ledger folder."""
+    return parse_iter_dirs(ls_names(fs, ledger_dir))
+
+
+def append_metrics(fs: fsspec.AbstractFileSystem, run_dir: str, k: int, row: dict) -> None:
+    """Store ``row`` as ``metrics/iter_k.json``, then rebuild ``metrics.jsonl`` from all rows.
+
+    The rebuild re-reads after writing and repeats while the set changed, so
+    with racing appenders the last rewrite contains every row (each appender's
+    own listing happens after its row was written).
+    """
+    try:
+        line = json.dumps({"iteration": k, **row}, sort_keys=True, allow_nan=False)
+    except ValueError as e:
+        raise StorageError(
+            f"metrics row of iteration {k} is not JSON-able ({e}); replace NaN/inf and objects by numbers"
+        ) from e
+    write_bytes(fs, join(run_dir, "metrics", f"{iter_name(k)}.json"), (line + "\n").encode())
+    rows = read_metrics(fs, run_dir)
+    for _ in range(10):
+        write_bytes(fs, join(run_dir, METRICS_JSONL), _jsonl(rows))
+        again = read_metrics(fs, run_dir)
+        if again == rows:
+            return
+        rows = again
+
+
+def read_metrics(fs: fsspec.AbstractFileSystem, run_dir: str) -> list[dict]:
+    """All rows, sorted by iteration, from the per-iteration objects (the truth)."""
+    mdir = join(run_dir, "metrics")
+    ks = parse_iter_dirs(ls_names(fs, mdir))
+    if not ks:
+        return []
+    paths = [join(mdir, f"{iter_name(k)}.json") for k in ks]
+    blobs = fs.cat(paths, on_error="omit")
+    rows = [json.loads(b) for b in blobs.values()]
+    return sorted(rows, key=lambda r: r["iteration"])
+
+
+def _jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
+
+
+def record_serving(
+    fs: fsspec.AbstractFileSystem, engines_dir: str, engine_id: int, version: int
+) -> None:
+    rec: dict[str, Any] = {"engine_id": engine_id, "version": version, "updated_at": time.time()}
+    write_bytes(fs, join(engines_dir, engine_name(engine_id)), dumps(rec))
+
+
+def serving_versions(fs: fsspec.AbstractFileSystem, engines_dir: str) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for n in ls_names(fs, engines_dir):
+        e = parse_engine(n)
+        if e is None:
+            continue
+        rec = read_json(fs, join(engines_dir, n))
+        if rec is not None:
+            out[e] = int(rec["version"])
+    return out

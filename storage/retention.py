@@ -1,0 +1,98 @@
+"""Retention: which weight versions and checkpoints a run keeps.
+
+Owns deletion. Rules: keep the last ``keep_last`` committed versions and
+checkpoints; never delete a version an engine serves (engines/*.json) or one
+a kept checkpoint points to (meta ``weights_version``). v0 gets no special
+treatment. A commit marker is deleted FIRST, so a reader sees the version
+either whole or absent, never torn. Only the lease holder should call this.
+"""
+
+from __future__ import annotations
+
+import time
+
+import fsspec
+
+from storage.checkpoints import committed_checkpoints, read_commit
+from storage.errors import ManifestError, StorageError
+from storage.fs import is_local, join, ls_all, parse_iter_dirs, rm_file, rm_tree
+from storage.layout import COMMIT, MANIFEST, TMP_PREFIX, iter_name, parse_version, version_name
+from storage.types import GcReport
+from storage.weights import committed_versions
+
+# Staging folders younger than this may belong to a publish in progress.
+_STAGING_GRACE_S = 3600.0
+
+
+def gc(
+    fs: fsspec.AbstractFileSystem,
+    run_dir: str,
+    keep_last: int,
+    serving: dict[int, int],
+) -> GcReport:
+    if keep_last < 1:
+        raise StorageError(
+            f"keep_last must be >= 1, got {keep_last}; retention never deletes everything"
+        )
+    wdir, cdir = join(run_dir, "weights"), join(run_dir, "checkpoints")
+    versions = committed_versions(fs, wdir)
+    ckpts = committed_checkpoints(fs, cdir)
+    kept_c = ckpts[-keep_last:]
+    keep_v = set(versions[-keep_last:])
+    protected: dict[int, str] = {}
+    for engine, v in sorted(serving.items()):
+        if v not in keep_v and v in versions:
+            protected.setdefault(v, f"served by engine {engine}")
+    for k in kept_c:
+        try:
+            wv = read_commit(fs, cdir, k).meta.get("weights_version")
+        except ManifestError:
+            continue
+        if isinstance(wv, int) and wv not in keep_v and wv in versions:
+            protected.setdefault(wv, f"referenced by kept checkpoint {k}")
+    keep_v |= set(protected)
+
+    deleted_v = [v for v in versions if v not in keep_v]
+    for v in deleted_v:
+        vdir = join(wdir, version_name(v))
+        rm_file(fs, join(vdir, MANIFEST))  # uncommit first
+        rm_tree(fs, vdir)
+    deleted_c = [k for k in ckpts if k not in kept_c]
+    for k in deleted_c:
+        d = join(cdir, iter_name(k))
+        rm_file(fs, join(d, COMMIT))
+        rm_tree(fs, d)
+
+    debris = _debris(fs, wdir, cdir, versions, ckpts)
+    for path in debris:
+        rm_tree(fs, path)
+    return GcReport(
+        deleted_versions=deleted_v,
+        deleted_checkpoints=deleted_c,
+        kept_versions=[v for v in versions if v in keep_v],
+        kept_checkpoints=kept_c,
+        protected=protected,
+        removed_debris=debris,
+    )
+
+
+def _debris(
+    fs: fsspec.AbstractFileSystem, wdir: str, cdir: str, versions: list[int], ckpts: list[int]
+) -> list[str]:
+    """Uncommitted folders older than the newest commit (a failed publish/save), and
+    local staging folders past their grace period. Newer ones may be in progress."""
+    out = []
+    newest_v = versions[-1] if versions else -1
+    for name in ls_all(fs, wdir):
+        v = parse_version(name)
+        if v is not None and v < newest_v and v not in versions:
+            out.append(join(wdir, name))
+        elif name.startswith(TMP_PREFIX) and is_local(fs):
+            path = join(wdir, name)
+            if time.time() - fs.modified(path).timestamp() > _STAGING_GRACE_S:
+                out.append(path)
+    newest_c = ckpts[-1] if ckpts else -1
+    for k in parse_iter_dirs(ls_all(fs, cdir)):
+        if k < newest_c and k not in ckpts:
+            out.append(join(cdir, iter_name(k)))
+    return out

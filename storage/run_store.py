@@ -1,0 +1,192 @@
+"""``RunStore``: everything of one run under ``{root}/{run}/``.
+
+Layout::
+
+    run.json                         config snapshot (no credentials)
+    lease.json                       single-writer lease
+    rollouts/iter_000012.json        persisted rollout batch
+    checkpoints/iter_000012/...      trainer state + COMMIT (last)
+    weights/v000012/...              HF files + manifest.json (last)
+    ledger/iter_000012/<step>.json   committed step records
+    metrics/iter_000012.json         one metrics row per iteration
+    metrics.jsonl                    derived from metrics/*, rewritten whole
+    engines/engine_000.json          version each engine serves
+
+This is a thin facade: each concern lives in its own module (weights, pull,
+checkpoints, ledger, lease, retention). It holds no cached state, so any
+number of processes may read while the lease holder writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import fsspec
+
+from storage import checkpoints as _ckpt
+from storage import lease as _lease
+from storage import ledger as _ledger
+from storage import pull as _pull
+from storage import retention as _retention
+from storage import weights as _weights
+from storage.config import StorageConfig
+from storage.errors import StorageError
+from storage.fs import dumps, is_local, join, open_root, read_json, write_bytes
+from storage.hashio import VerifyingReader
+from storage.layout import LEASE_JSON, RUN_JSON, check_run_name, iter_name, version_name
+from storage.types import GcReport, Lease, WeightsManifest
+
+CheckpointWriter = _ckpt.CheckpointWriter
+WeightsWriter = _weights.WeightsWriter
+
+# Env vars whose values must never be persisted (checked on run.json writes).
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
+
+
+class RunStore:
+    """Reads and writes one run's state on any fsspec root (local disk, s3://, ...)."""
+
+    def __init__(self, cfg: StorageConfig, run_name: str):
+        self.run_name = check_run_name(run_name)
+        fs, root = open_root(cfg.root, cfg.s3)
+        self.fs: fsspec.AbstractFileSystem = fs
+        self.url = join(root, run_name)  # "{root}/{run}", never with credentials
+        self._cfg = cfg
+
+    # -- paths -------------------------------------------------------------------
+    def _p(self, *parts: str) -> str:
+        return join(self.url, *parts)
+
+    @property
+    def _weights_dir(self) -> str:
+        return self._p("weights")
+
+    @property
+    def _ckpt_dir(self) -> str:
+        return self._p("checkpoints")
+
+    # -- run.json ----------------------------------------------------------------
+    def exists(self) -> bool:
+        return self.fs.exists(self._p(RUN_JSON))
+
+    def write_run_json(self, data: dict[str, Any]) -> None:
+        blob = dumps(data)
+        text = blob.decode()
+        for var in _SECRET_ENV:
+            secret = os.environ.get(var, "")
+            if len(secret) >= 8 and secret in text:
+                raise StorageError(
+                    f"run.json would contain the value of {var}; remove credentials from the config "
+                    "(they are read from the environment and must never be stored)"
+                )
+        write_bytes(self.fs, self._p(RUN_JSON), blob)
+
+    def read_run_json(self) -> dict | None:
+        return read_json(self.fs, self._p(RUN_JSON))
+
+    # -- rollouts ----------------------------------------------------------------
+    def write_rollouts(self, k: int, data: dict[str, Any]) -> str:
+        """Persist iteration k's rollouts once; a committed batch is kept as is."""
+        path = self._p("rollouts", f"{iter_name(k)}.json")
+        try:
+            blob = (json.dumps(data, allow_nan=False, separators=(",", ":")) + "\n").encode()
+        except ValueError as e:
+            raise StorageError(f"rollouts of iteration {k} are not JSON-able ({e})") from e
+        write_bytes(self.fs, path, blob, exclusive=True)
+        return path
+
+    def read_rollouts(self, k: int) -> dict | None:
+        return read_json(self.fs, self._p("rollouts", f"{iter_name(k)}.json"))
+
+    # -- checkpoints -------------------------------------------------------------
+    def checkpoint_writer(self, k: int) -> CheckpointWriter:
+        return _ckpt.CheckpointWriter(self.fs, self._ckpt_dir, k)
+
+    def committed_checkpoints(self) -> list[int]:
+        return _ckpt.committed_checkpoints(self.fs, self._ckpt_dir)
+
+    def read_checkpoint_meta(self, k: int) -> dict:
+        return dict(_ckpt.read_commit(self.fs, self._ckpt_dir, k).meta)
+
+    def open_checkpoint_file(self, k: int, name: str) -> VerifyingReader:
+        return _ckpt.open_checkpoint_file(self.fs, self._ckpt_dir, k, name)
+
+    def verify_checkpoint(self, k: int) -> None:
+        _ckpt.verify_checkpoint(self.fs, self._ckpt_dir, k)
+
+    def checkpoint_url(self, k: int) -> str:
+        return join(self._ckpt_dir, iter_name(k))
+
+    # -- weights -----------------------------------------------------------------
+    def weights_writer(self, version: int, iteration: int, parent: int | None) -> WeightsWriter:
+        return _weights.WeightsWriter(
+            self.fs, self._weights_dir, self.run_name, version, iteration, parent
+        )
+
+    def committed_versions(self) -> list[int]:
+        return _weights.committed_versions(self.fs, self._weights_dir)
+
+    def latest_version(self) -> int | None:
+        vs = self.committed_versions()
+        return vs[-1] if vs else None
+
+    def read_manifest(self, version: int) -> WeightsManifest:
+        return _weights.read_manifest(self.fs, self._weights_dir, version)
+
+    def version_url(self, version: int) -> str:
+        return join(self._weights_dir, version_name(version))
+
+    def local_version_dir(self, version: int) -> str | None:
+        return self.version_url(version) if is_local(self.fs) else None
+
+    def pull_version(self, version: int, cache_dir: str, workers: int = 8, retries: int = 3) -> str:
+        manifest = self.read_manifest(version)
+        return _pull.pull_version(
+            self.fs, self.version_url(version), manifest, cache_dir, workers, retries
+        )
+
+    # -- ledger, metrics, engines --------------------------------------------------
+    def write_record(
+        self, k: int, step: str, record: dict[str, Any], overwrite: bool = False
+    ) -> None:
+        _ledger.write_record(self.fs, self._p("ledger"), k, step, record, overwrite)
+
+    def read_record(self, k: int, step: str) -> dict | None:
+        return _ledger.read_record(self.fs, self._p("ledger"), k, step)
+
+    def committed_steps(self, k: int) -> list[str]:
+        return _ledger.committed_steps(self.fs, self._p("ledger"), k)
+
+    def append_metrics(self, k: int, row: dict[str, Any]) -> None:
+        _ledger.append_metrics(self.fs, self.url, k, row)
+
+    def read_metrics(self) -> list[dict]:
+        return _ledger.read_metrics(self.fs, self.url)
+
+    def record_serving(self, engine_id: int, version: int) -> None:
+        _ledger.record_serving(self.fs, self._p("engines"), engine_id, version)
+
+    def serving_versions(self) -> dict[int, int]:
+        return _ledger.serving_versions(self.fs, self._p("engines"))
+
+    # -- lease -------------------------------------------------------------------
+    def acquire_lease(self, owner: str, ttl_s: float, force: bool = False) -> Lease:
+        return _lease.acquire_lease(self.fs, self._p(LEASE_JSON), owner, ttl_s, force)
+
+    def renew_lease(self, owner: str, ttl_s: float) -> None:
+        _lease.renew_lease(self.fs, self._p(LEASE_JSON), owner, ttl_s)
+
+    def release_lease(self, owner: str) -> None:
+        _lease.release_lease(self.fs, self._p(LEASE_JSON), owner)
+
+    def read_lease(self) -> Lease | None:
+        return _lease.read_lease(self.fs, self._p(LEASE_JSON))
+
+    # -- retention ---------------------------------------------------------------
+    def gc(self, keep_last: int) -> GcReport:
+        return _retention.gc(self.fs, self.url, keep_last, self.serving_versions())
+
+
+__all__ = ["RunStore", "CheckpointWriter", "WeightsWriter"]

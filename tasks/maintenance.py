@@ -1,0 +1,51 @@
+"""Prefect tasks of the maintenance flows: point one engine at a version, check
+one engine, publish a checkpoint, collect garbage. Mapped per engine like the
+iteration's reload and verify."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.context import RunContext
+from tasks.engines import ensure_engine_serves, served_version
+from tasks.steps import VersionMismatch
+
+
+@task(name="point_engine", task_run_name="{ctx.run_name}:point[engine={engine_id},v={version}]",
+      cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 5])
+def point_engine(ctx: RunContext, version: int, engine_id: int) -> dict[str, Any]:
+    ensure_engine_serves(ctx, ctx.engines(), engine_id, version, force_reload=True)
+    return {"engine": engine_id, "version": version}
+
+
+@task(name="check_engine", task_run_name="{ctx.run_name}:check[engine={engine_id},v={version}]",
+      cache_policy=NO_CACHE)
+def check_engine(ctx: RunContext, version: int, engine_id: int) -> dict[str, Any]:
+    served = served_version(ctx.engines(), engine_id)
+    if served != str(version):
+        raise VersionMismatch(
+            f"engine {engine_id} serves {served!r}, expected {str(version)!r}; "
+            "run the reload-engines deployment for this version"
+        )
+    return {"engine": engine_id, "version": version, "verified": True}
+
+
+@task(name="publish_checkpoint", task_run_name="{ctx.run_name}:publish-checkpoint[k={k}]",
+      cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 5, 15])
+def publish_checkpoint(ctx: RunContext, k: int) -> dict[str, Any]:
+    store = ctx.store
+    if k not in store.committed_versions():
+        trainer = ctx.trainer()
+        trainer.ensure_state(k, ctx.base_model_path)
+        trainer.export_hf(k, k, store.latest_version())
+    manifest = store.read_manifest(k)
+    return {"version": k, "url": store.version_url(k), "files": len(manifest.files)}
+
+
+@task(name="collect_garbage", task_run_name="{ctx.run_name}:gc[keep={keep_last}]", cache_policy=NO_CACHE)
+def collect_garbage(ctx: RunContext, keep_last: int) -> dict[str, Any]:
+    report = ctx.store.gc(keep_last)
+    return report.model_dump() if hasattr(report, "model_dump") else dict(report.__dict__)

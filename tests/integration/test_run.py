@@ -1,0 +1,117 @@
+"""A tiny run end to end on real Ray actors, through the plain driver and the
+Prefect flow: versions committed, engines verified, resume and completion."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flows.config import load_config
+from flows.driver import run_plain
+from tasks import steps
+from tasks.engines import version_path
+from tasks.prepare import prepare_run
+
+
+def tiny_cfg(tmp_path, name: str, **extra):
+    overrides = {
+        "run.name": name,
+        "run.iterations": 2,
+        "run.save_interval": 1,
+        "storage.root": str(tmp_path / "runs"),
+        "rollout.batch_size": 4,
+        "rollout.n_samples_per_prompt": 4,
+        "engines.num_cpus_per_engine": 0.5,
+        "train.num_cpus_per_worker": 0.5,
+        "tasks.retry_delay_s": [0.1],
+    }
+    overrides.update(extra)
+    return load_config(None, overrides)
+
+
+def test_plain_run_commits_versions_and_resumes(ray_cluster, tmp_path):
+    cfg = tiny_cfg(tmp_path, "plain")
+    ctx, rows, _ = run_plain(cfg, quiet=True)
+    store = ctx.store
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert store.committed_versions() == [0, 1, 2]
+    assert [m["iteration"] for m in store.read_metrics()] == [1, 2]
+    run_json = store.read_run_json()
+    assert run_json["config"]["run"]["name"] == "plain"
+    # every sample of rollout k came from version k-1
+    for k in (1, 2):
+        batch = store.read_rollouts(k)
+        assert {s["weight_version"] for s in batch["samples"]} == {k - 1}
+    # a second run of a finished run does nothing
+    _, rows_again, _ = run_plain(cfg, quiet=True)
+    assert rows_again == []
+    # more iterations continue from the last one
+    ctx3, rows3, _ = run_plain(tiny_cfg(tmp_path, "plain", **{"run.iterations": 3}), quiet=True)
+    assert [r["iteration"] for r in rows3] == [3]
+    assert ctx3.store.committed_versions() == [0, 1, 2, 3]
+    assert store.read_record(1, "train")["result"]["loss"] == rows[0]["loss"]
+
+
+def test_verify_fails_when_an_engine_is_left_on_an_old_version(ray_cluster, tmp_path):
+    cfg = tiny_cfg(tmp_path, "stale", **{"engines.num_engines": 2})
+    ctx, _, _ = run_plain(cfg, quiet=True)
+    ctx = prepare_run(cfg)
+    for e in (0, 1):
+        assert steps.verify_engine(ctx, 2, e)["verified"]
+    handle = ctx.engines().handle(1)
+    reply = ray_cluster.get(handle.update_weights_from_disk.remote(version_path(ctx, 1), "1"))
+    assert reply["success"]
+    assert steps.verify_engine(ctx, 2, 0)["verified"]
+    with pytest.raises(steps.VersionMismatch, match="engine 1 serves weight version '1', expected '2'"):
+        steps.verify_engine(ctx, 2, 1)
+
+
+def test_publish_writes_manifest_last(ray_cluster, tmp_path):
+    cfg = tiny_cfg(tmp_path, "manifest", **{"run.iterations": 1})
+    ctx, _, _ = run_plain(cfg, quiet=True)
+    vdir = ctx.store.local_version_dir(1)
+    manifest = json.loads(open(f"{vdir}/manifest.json").read())
+    names = {f["name"] for f in manifest["files"]}
+    assert "config.json" in names and any(n.endswith(".safetensors") for n in names)
+    import os
+
+    mtimes = {n: os.stat(f"{vdir}/{n}").st_mtime_ns for n in names}
+    assert os.stat(f"{vdir}/manifest.json").st_mtime_ns >= max(mtimes.values())
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=60):
+        yield
+
+
+def test_flow_run_on_ray_task_runner(ray_cluster, prefect_api, tmp_path):
+    from flows.training import TrainingParams, rl_training
+
+    overrides = {
+        "run.name": "flow",
+        "run.iterations": 2,
+        "storage.root": str(tmp_path / "runs"),
+        "rollout.batch_size": 4,
+        "rollout.n_samples_per_prompt": 4,
+        "engines.num_engines": 2,
+        "engines.num_cpus_per_engine": 0.5,
+        "train.num_cpus_per_worker": 0.5,
+    }
+    state = rl_training(TrainingParams(config_path="configs/tiny-cpu.yaml", overrides=overrides), return_state=True)
+    assert state.is_completed(), state
+    out = state.result()
+    assert out["iterations"] == [1, 2]
+    cfg = load_config("configs/tiny-cpu.yaml", overrides)
+    from storage.run_store import RunStore
+
+    store = RunStore(cfg.storage, "flow")
+    assert store.committed_versions() == [0, 1, 2]
+    for k in (1, 2):
+        assert {"rollout", "train", "save", "publish", "reload-e0", "reload-e1", "iteration"} <= set(store.committed_steps(k))
+    # a finished run reports complete and does nothing
+    again = rl_training(TrainingParams(config_path="configs/tiny-cpu.yaml", overrides=overrides))
+    assert again["iterations"] == []

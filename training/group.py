@@ -1,0 +1,217 @@
+"""Driver-side handle on the train ranks (slime's RayTrainGroup, made recoverable).
+
+Owns the Ray side of training: one detached placement group
+``{run}/train-pg`` (one bundle per rank, PACK), detached named actors
+``{run}/train/{rank}`` in namespace ``prefect-rl``, and ``ensure_state(k)``,
+the recovery primitive. Holds only names and config, so it pickles into any
+task; handles are looked up by name on every call. Never generates rollouts
+(replay uses the persisted ones) and never imports Prefect.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Any
+
+import ray
+from ray._raylet import PlacementGroupID
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from storage.config import StorageConfig
+from training.actor import TrainActor
+from training.config import ModelConfig, TrainConfig, WeightsConfig
+
+log = logging.getLogger(__name__)
+NAMESPACE = "prefect-rl"
+
+
+@ray.remote(num_cpus=0)
+def _master_endpoint() -> tuple[str, int]:
+    """IP and a free port on the node of bundle 0, where rank 0 will run."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+class TrainGroup:
+    def __init__(
+        self,
+        run_name: str,
+        train_cfg: TrainConfig,
+        model_cfg: ModelConfig,
+        storage_cfg: StorageConfig,
+        seed: int,
+        namespace: str = NAMESPACE,
+        weights_cfg: WeightsConfig | None = None,
+    ) -> None:
+        self.run_name, self.seed, self.namespace = run_name, seed, namespace
+        self.train_cfg, self.model_cfg, self.storage_cfg = train_cfg, model_cfg, storage_cfg
+        self.weights_cfg = weights_cfg or WeightsConfig()
+
+    @property
+    def world_size(self) -> int:
+        return self.train_cfg.num_workers
+
+    @property
+    def pg_name(self) -> str:
+        return f"{self.run_name}/train-pg"
+
+    def actor_name(self, rank: int) -> str:
+        return f"{self.run_name}/train/{rank}"
+
+    # -- lifecycle ---------------------------------------------------------
+    def create(self, base_model_path: str) -> None:
+        """Fresh ranks at iteration 0 (base weights). Leftovers are released first."""
+        self.release()
+        cfg = self.train_cfg
+        bundle: dict[str, float] = {"CPU": cfg.num_cpus_per_worker}
+        if cfg.num_gpus_per_worker > 0:
+            bundle["GPU"] = cfg.num_gpus_per_worker
+        pg = placement_group(
+            [dict(bundle) for _ in range(self.world_size)],
+            strategy="PACK",
+            name=self.pg_name,
+            lifetime="detached",  # outlives the task that created it, like the actors
+        )
+        ray.get(pg.ready(), timeout=600)
+        addr, port = ray.get(
+            _master_endpoint.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)
+            ).remote()
+        )
+        remote_cls = ray.remote(TrainActor)
+        actors = [
+            remote_cls.options(
+                name=self.actor_name(rank),
+                namespace=self.namespace,
+                lifetime="detached",
+                max_restarts=0,  # a restarted rank would hold no state; ensure_state rebuilds
+                num_cpus=cfg.num_cpus_per_worker,
+                num_gpus=cfg.num_gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
+            ).remote(
+                rank, self.world_size, addr, port, cfg, self.model_cfg, self.storage_cfg,
+                self.run_name, self.seed, self.weights_cfg,
+            )
+            for rank in range(self.world_size)
+        ]
+        ray.get([a.setup.remote() for a in actors])
+        ray.get([a.init_from_base.remote(base_model_path) for a in actors])
+
+    def actors(self) -> list[Any]:
+        """Handles of all ranks, by name; raises ValueError if one does not exist."""
+        return [
+            ray.get_actor(self.actor_name(r), namespace=self.namespace)
+            for r in range(self.world_size)
+        ]
+
+    def _iterations(self, timeout: float = 60.0) -> list[int | None] | None:
+        """Iteration of every rank, or None if any rank is missing or dead."""
+        try:
+            actors = self.actors()
+            return ray.get([a.iteration.remote() for a in actors], timeout=timeout)
+        except (ValueError, ray.exceptions.RayError) as e:
+            log.info("train group %s not alive: %s", self.run_name, type(e).__name__)
+            return None
+
+    def alive(self) -> bool:
+        return self._iterations() is not None
+
+    def iteration(self) -> int | None:
+        """The iteration all ranks hold; None if not alive or the ranks disagree."""
+        its = self._iterations()
+        if not its or any(i != its[0] for i in its):
+            return None
+        return its[0]
+
+    def release(self) -> None:
+        """Kill every rank and remove the placement group (frees CPUs/GPUs)."""
+        for r in range(self.world_size):
+            try:
+                ray.kill(ray.get_actor(self.actor_name(r), namespace=self.namespace))
+            except ValueError:
+                pass
+        for r in range(self.world_size):
+            self._wait_gone(self.actor_name(r))
+        for pg_id, info in ray.util.placement_group_table().items():
+            if info.get("name") == self.pg_name and info.get("state") != "REMOVED":
+                # Looked up by id, not name: names resolve only in the caller's namespace.
+                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
+
+    def shutdown(self) -> None:
+        """End of run: same as release; the group object stays usable for create()."""
+        self.release()
+
+    def _wait_gone(self, name: str, timeout: float = 60.0) -> None:
+        # A killed actor keeps its name until the GCS marks it dead; a new actor
+        # with that name would be refused until then.
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name, namespace=self.namespace)
+            except ValueError:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"actor {name} still registered {timeout}s after ray.kill")
+
+    # -- recovery ----------------------------------------------------------
+    def ensure_state(self, k: int, base_model_path: str) -> dict[str, Any]:
+        """Make every rank hold trainer state ``k``.
+
+        Normal path (alive, holding k): one ray.get, nothing else. Otherwise
+        recreate the ranks, restore the newest committed checkpoint c <= k that
+        verifies (older ones if it is corrupt; base weights if none), then
+        replay train_step(c+1..k) over the persisted rollouts.
+        """
+        its = self._iterations()
+        if its is not None and all(i == k for i in its):
+            return {"restored_from": None, "replayed": [], "recreated": False}
+        log.warning("train group %s holds %s, needs %d: rebuilding", self.run_name, its, k)
+        self.create(base_model_path)
+        c = self._restore_point(k)
+        if c > 0:
+            ray.get([a.load_checkpoint.remote(c) for a in self.actors()])
+        replayed = []
+        for j in range(c + 1, k + 1):
+            self.train(j)
+            replayed.append(j)
+        return {"restored_from": c, "replayed": replayed, "recreated": True}
+
+    def _restore_point(self, k: int) -> int:
+        """Newest committed checkpoint <= k that verifies; 0 (base weights) if none."""
+        from storage.errors import IntegrityError
+        from storage.run_store import RunStore
+
+        store = RunStore(self.storage_cfg, self.run_name)
+        for c in sorted((c for c in store.committed_checkpoints() if 0 < c <= k), reverse=True):
+            try:
+                store.verify_checkpoint(c)
+                return c
+            except IntegrityError as e:
+                msg = f"checkpoint {c} of run {self.run_name!r} is corrupt ({e}); trying an older one"
+                log.warning(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        return 0
+
+    # -- steps -------------------------------------------------------------
+    def train(self, k: int) -> dict[str, float]:
+        """One step on every rank over rollouts k; rank 0's metrics (already all-reduced)."""
+        return ray.get([a.train_step.remote(k) for a in self.actors()])[0]
+
+    def save(self, k: int, meta_extra: dict | None = None) -> dict:
+        return ray.get([a.save_checkpoint.remote(k, meta_extra) for a in self.actors()])[0]
+
+    def export_hf(self, version: int, iteration: int, parent: int | None) -> dict:
+        return ray.get([a.export_hf.remote(version, iteration, parent) for a in self.actors()])[0]
+
+    def offload(self) -> None:
+        ray.get([a.offload.remote() for a in self.actors()])
+
+    def onload(self) -> None:
+        ray.get([a.onload.remote() for a in self.actors()])
