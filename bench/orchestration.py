@@ -31,7 +31,7 @@ def main() -> None:
 
     from flows.config import load_config
     from flows.driver import run_iteration
-    from flows.training import TrainingParams, rl_training
+    from flows.rl_training import TrainingParams, rl_training
     from tasks.prepare import prepare_run
 
     root = tempfile.mkdtemp(prefix="bench-orch-")

@@ -178,7 +178,7 @@ def main() -> None:
         "torch": torch.__version__,
         "loadavg_1m_at_end": os.getloadavg()[0],
         "machine": platform.machine(),
-        "cpus": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"meta": meta, "rows": rows, "table": md}, indent=1) + "\n")

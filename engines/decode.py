@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from engines.sampling import sample_row
-from engines.types import FinishReason, SamplingParams
+from engines.sampling import sample_rows
+from engines.types import FinishReason, GenerateResult, SamplingParams
 
 
 @dataclass
@@ -43,6 +43,25 @@ class Row:
             self.finish = {"type": "stop", "matched": tok}
         elif len(self.output_ids) >= self.params.max_new_tokens:
             self.finish = {"type": "length", "length": self.params.max_new_tokens}
+
+    def result(self, text: str, version_end: str, engine_id: int) -> GenerateResult:
+        """The finished row in SGLang's ``/generate`` result shape."""
+        assert self.finish is not None, "result() of an unfinished row"
+        return {
+            "output_ids": self.output_ids,
+            "text": text,
+            "meta_info": {
+                "weight_version": self.version_start,
+                "weight_version_end": version_end,
+                "finish_reason": self.finish,
+                "output_token_logprobs": [
+                    [lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)
+                ],
+                "prompt_tokens": len(self.prompt),
+                "completion_tokens": len(self.output_ids),
+                "engine_id": engine_id,
+            },
+        }
 
 
 def _left_pad(rows: list[Row], pad_id: int, device: torch.device):
@@ -106,11 +125,11 @@ def decode(
         # One device->host copy per step, then sampling on CPU: no per-row
         # syncs on GPU, and a seed gives the same draw on CPU and GPU.
         logits = logits.float().cpu()
-        step_tokens = []
-        for b, r in enumerate(live):
-            tok, lp = sample_row(logits[b], rows[r].params, rows[r].generator)
+        step_tokens, step_lps = sample_rows(
+            logits, [rows[r].params for r in live], [rows[r].generator for r in live]
+        )
+        for r, tok, lp in zip(live, step_tokens, step_lps):
             rows[r].push(tok, lp)
-            step_tokens.append(tok)
         keep = [b for b, r in enumerate(live) if rows[r].finish is None]
         if not keep:
             return

@@ -231,22 +231,10 @@ class EmbeddedEngine:
         """Store one finished row (caller holds the condition)."""
         if error is not None:
             call.error = error
-        finish = row.finish or {"type": "abort", "message": error or "not finished"}
-        call.results[i] = {
-            "output_ids": row.output_ids,
-            "text": self._tokenizer.decode(row.output_ids, skip_special_tokens=True),
-            "meta_info": {
-                "weight_version": row.version_start,
-                "weight_version_end": self._weight_version,
-                "finish_reason": finish,
-                "output_token_logprobs": [
-                    [lp, t, None] for lp, t in zip(row.logprobs, row.output_ids)
-                ],
-                "prompt_tokens": len(row.prompt),
-                "completion_tokens": len(row.output_ids),
-                "engine_id": self.engine_id,
-            },
-        }
+        if row.finish is None:
+            row.finish = {"type": "abort", "message": error or "not finished"}
+        text = self._tokenizer.decode(row.output_ids, skip_special_tokens=True)
+        call.results[i] = row.result(text, self._weight_version, self.engine_id)
         call.remaining -= 1
         if call.remaining == 0:
             call.done.set()
@@ -357,6 +345,12 @@ class EmbeddedEngine:
             "device": str(self._device),
             "paused": self._paused,
         }
+
+    @_control
+    def get_load(self) -> dict[str, int]:
+        """Requests decoding now and waiting in the queue (SGLang's ``/get_load`` counts)."""
+        with self._cond:
+            return {"num_running_reqs": self._inflight, "num_waiting_reqs": len(self._queue)}
 
     @_control
     def health_generate(self) -> bool:

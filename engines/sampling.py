@@ -49,6 +49,29 @@ def sample_row(
     return tok, float(logp[tok])
 
 
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> tuple[list[int], list[float]]:
+    """``sample_row`` for every row of ``logits [B, V]`` at once; same draws and logprobs.
+
+    The softmax runs once over the batch (row-wise, so a row's values do not
+    depend on its neighbours); only the draw itself is per row, from the
+    row's own generator.
+    """
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    logp = torch.log_softmax(logits.float() / temps[:, None], dim=-1)
+    probs = logp.exp()
+    tokens = []
+    for b, (p, g) in enumerate(zip(params, generators)):
+        if p.temperature <= 0:
+            tokens.append(int(torch.argmax(logits[b])))
+            continue
+        row = _nucleus(probs[b], p.top_p) if p.top_p < 1.0 else probs[b]
+        tokens.append(int(torch.multinomial(row, 1, generator=g)))
+    picked = logp[torch.arange(len(tokens)), torch.tensor(tokens)]
+    return tokens, picked.tolist()
+
+
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Zero all but the smallest set of top tokens whose mass reaches top_p."""
     sorted_p, order = torch.sort(probs, descending=True)

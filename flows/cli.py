@@ -23,7 +23,7 @@ def _run(args: argparse.Namespace) -> int:
         print(summary(rows, ctx.store.url, ctx.store.committed_versions(), seconds))
         return 0
     from flows.config import parse_override
-    from flows.training import TrainingParams, rl_training
+    from flows.rl_training import TrainingParams, rl_training
 
     overrides = dict(parse_override(item) for item in args.set)
     state = rl_training(

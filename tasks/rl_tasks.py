@@ -17,7 +17,6 @@ from prefect.cache_policies import NO_CACHE
 from tasks import steps
 from tasks.context import RunContext
 
-
 # ``upstream`` is the result of the step before. Passing it as a parameter (not
 # only as wait_for) lets Ray itself hold a task until its upstream finished, so
 # a task never occupies a Ray worker while it waits; it is not part of any key.

@@ -1,1 +1,14 @@
-"""training"""
+"""Training: the Ray train group, the train actor, the torch backend and losses.
+
+Contracts:
+- ``TrainGroup`` (driver side) holds names and config only and pickles into any
+  task. Actors are ``{run}/train/{rank}`` (namespace ``prefect-rl``, detached) on
+  one placement group ``{run}/train-pg``. ``ensure_state(k)`` is the recovery
+  primitive: restore the newest verifying checkpoint <= k, replay persisted
+  rollouts; a no-op when the ranks already hold k.
+- ``TrainActor.train_step(k)`` needs trainer state k-1 (else StateMismatchError)
+  and rollouts k in the run store; it never generates.
+- Same config + same world size on CPU -> byte-identical weights.
+- Imports torch, transformers, ray and ``storage``; never Prefect.
+- Losses/advantages are pure tensor functions (``losses.py``, ``advantages.py``).
+"""

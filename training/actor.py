@@ -140,18 +140,28 @@ class TrainActor:
             writer, drop_tied(self.model, state), self.weights_cfg.shard_size, self.base_model_path
         )
         manifest = manifest_dict(writer.commit())
-        return {"version": version, "iteration": iteration, "parent": parent, **written,
-                "manifest": manifest}
+        return {
+            "version": version,
+            "iteration": iteration,
+            "parent": parent,
+            **written,
+            "manifest": manifest,
+        }
 
     def offload(self) -> None:
-        """Move weights and optimizer state to CPU (frees the GPU for colocated engines)."""
+        """Move weights, optimizer state and the reference model to CPU (frees the
+        GPU for colocated engines). A no-op on CPU."""
         if self.device.type != "cpu" and self.model is not None:
             bt.move_state(self.model, self.optim, torch.device("cpu"))
+            if self.ref_model is not None:
+                self.ref_model.to("cpu")
             torch.cuda.empty_cache()
 
     def onload(self) -> None:
         if self.device.type != "cpu" and self.model is not None:
             bt.move_state(self.model, self.optim, self.device)
+            if self.ref_model is not None:
+                self.ref_model.to(self.device)
 
     def score(self, input_ids: list[list[int]]) -> torch.Tensor:
         """Next-token logprobs [B, T-1] of equal-length ``input_ids`` under the
@@ -214,20 +224,39 @@ class TrainActor:
         for i, mb in enumerate(mbs):
             mb = self._to_device(mb)
             lp, ent = bt.token_logprobs(
-                self.model, mb.input_ids, mb.attention_mask, with_entropy=True,
+                self.model,
+                mb.input_ids,
+                mb.attention_mask,
+                with_entropy=True,
                 entropy_grad=lc.entropy_coef > 0,
             )
             loss, m = grpo_loss(
-                lp, old[i], mb.advantages, mb.loss_mask, lc.clip_eps,
-                ref_logprobs=ref[i] if ref else None, kl_coef=lc.kl_coef,
-                entropy=ent, entropy_coef=lc.entropy_coef, num_tokens=denom,
+                lp,
+                old[i],
+                mb.advantages,
+                mb.loss_mask,
+                lc.clip_eps,
+                ref_logprobs=ref[i] if ref else None,
+                kl_coef=lc.kl_coef,
+                entropy=ent,
+                entropy_coef=lc.entropy_coef,
+                num_tokens=denom,
             )
             loss.backward()
             n = float(mb.loss_mask.sum())
             diff = float(((old[i] - mb.rollout_logprobs).abs() * mb.loss_mask).sum())
-            sums += torch.tensor([float(loss) / self.world_size, m["pg_loss"] * n,
-                                  m["clip_frac"] * n, m.get("kl", 0.0) * n,
-                                  m.get("entropy", 0.0) * n, diff, n], dtype=torch.float64)
+            sums += torch.tensor(
+                [
+                    float(loss.detach()) / self.world_size,
+                    m["pg_loss"] * n,
+                    m["clip_frac"] * n,
+                    m.get("kl", 0.0) * n,
+                    m.get("entropy", 0.0) * n,
+                    diff,
+                    n,
+                ],
+                dtype=torch.float64,
+            )
         if self.world_size > 1:
             import torch.distributed as dist
 

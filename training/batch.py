@@ -52,9 +52,7 @@ class TrainBatch:
         return TrainBatch(**out)
 
 
-def build_train_batch(
-    batch: RolloutBatch, pad_id: int, normalize_std: bool = True
-) -> TrainBatch:
+def build_train_batch(batch: RolloutBatch, pad_id: int, normalize_std: bool = True) -> TrainBatch:
     """Tensors for ``batch``; advantages are computed over the whole batch's groups."""
     if not batch.samples:
         raise ValueError(f"rollout batch of iteration {batch.iteration} has no samples")

@@ -27,7 +27,14 @@ SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
 }
 # Files of an HF directory that hold weights; everything else is copied as is.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".safetensors.index.json",
+    ".bin.index.json",
+)
 
 
 def tensor_entry(name: str, tensor: torch.Tensor) -> Any:
@@ -36,7 +43,9 @@ def tensor_entry(name: str, tensor: torch.Tensor) -> Any:
 
     t = tensor.detach().to("cpu").contiguous()
     data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
-    return TensorEntry(name=name, dtype=SAFETENSORS_DTYPES[t.dtype], shape=tuple(t.shape), data=data)
+    return TensorEntry(
+        name=name, dtype=SAFETENSORS_DTYPES[t.dtype], shape=tuple(t.shape), data=data
+    )
 
 
 def drop_tied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -96,8 +96,16 @@ class TrainGroup:
                 num_gpus=cfg.num_gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
             ).remote(
-                rank, self.world_size, addr, port, cfg, self.model_cfg, self.storage_cfg,
-                self.run_name, self.seed, self.weights_cfg,
+                rank,
+                self.world_size,
+                addr,
+                port,
+                cfg,
+                self.model_cfg,
+                self.storage_cfg,
+                self.run_name,
+                self.seed,
+                self.weights_cfg,
             )
             for rank in range(self.world_size)
         ]
@@ -194,7 +202,9 @@ class TrainGroup:
                 store.verify_checkpoint(c)
                 return c
             except IntegrityError as e:
-                msg = f"checkpoint {c} of run {self.run_name!r} is corrupt ({e}); trying an older one"
+                msg = (
+                    f"checkpoint {c} of run {self.run_name!r} is corrupt ({e}); trying an older one"
+                )
                 log.warning(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
         return 0

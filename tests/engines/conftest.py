@@ -8,13 +8,32 @@ import uuid
 from pathlib import Path
 
 import pytest
+import ray
 from ray.util.placement_group import placement_group_table
 from safetensors.torch import load_file, save_file
 
 from engines.config import EngineConfig
 from engines.group import EngineGroup
 
-# ray_cluster (one local cluster per session) comes from tests/conftest.py.
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The session's Ray cluster, started here if no earlier test started one.
+
+    Overrides tests/conftest.py's fixture only to pass ``address="local"``:
+    without it, ``ray.init`` joins any cluster another process on this machine
+    started with ``ray start --head`` and then refuses ``num_cpus``. Shutdown
+    is left to Ray's exit hook, so later test folders can reuse the cluster.
+    """
+    if not ray.is_initialized():
+        ray.init(
+            address="local",
+            num_cpus=8,
+            include_dashboard=False,
+            namespace="prefect-rl",
+            log_to_driver=False,
+        )
+    yield ray
 
 
 @pytest.fixture(scope="session")

@@ -81,7 +81,7 @@ def test_engine_killed_mid_rollout_is_restarted(group, tiny_v1):
     )
     t.start()
     deadline = time.monotonic() + 20
-    while ray.get(victim.flush_cache.remote()):  # wait until it is decoding
+    while ray.get(victim.get_load.remote())["num_running_reqs"] == 0:  # wait until decoding
         assert time.monotonic() < deadline
         time.sleep(0.01)
     ray.kill(victim, no_restart=True)

@@ -30,9 +30,9 @@ def _long(actor, seed0: int = 0):
 
 
 def _wait_running(actor) -> None:
-    # flush_cache is refused exactly while requests are queued or decoding.
+    # Decoding, not merely queued: a pause must find rows in flight.
     deadline = time.monotonic() + 30
-    while ray.get(actor.flush_cache.remote()):
+    while ray.get(actor.get_load.remote())["num_running_reqs"] == 0:
         assert time.monotonic() < deadline, "generation never started"
         time.sleep(0.01)
 
@@ -45,6 +45,7 @@ def _not_done(ref, wait_s: float = 0.3) -> bool:
 def test_pause_in_place_keeps_state(actor):
     ref = _long(actor)
     _wait_running(actor)
+    assert ray.get(actor.flush_cache.remote()) is False  # refused while decoding
     ray.get(actor.pause_generation.remote("in_place"))
     assert ray.get(actor.flush_cache.remote()) is False  # paused requests still hold state
     assert _not_done(ref)

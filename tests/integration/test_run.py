@@ -89,7 +89,7 @@ def prefect_api():
 
 
 def test_flow_run_on_ray_task_runner(ray_cluster, prefect_api, tmp_path):
-    from flows.training import TrainingParams, rl_training
+    from flows.rl_training import TrainingParams, rl_training
 
     overrides = {
         "run.name": "flow",

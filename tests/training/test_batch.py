@@ -12,7 +12,9 @@ def _sample(i, prompt, response, reward):
 
 
 def test_layout_and_masks():
-    batch = RolloutBatch(1, 2, [_sample(0, [1, 5], [6, 7, 2], 1.0), _sample(1, [1, 5, 8], [9], 0.0)])
+    batch = RolloutBatch(
+        1, 2, [_sample(0, [1, 5], [6, 7, 2], 1.0), _sample(1, [1, 5, 8], [9], 0.0)]
+    )
     tb = build_train_batch(batch, pad_id=0)
     assert tb.input_ids.tolist() == [[1, 5, 6, 7, 2], [1, 5, 8, 9, 0]]
     assert tb.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
@@ -25,7 +27,9 @@ def test_layout_and_masks():
 
 
 def test_rows_trim_padding():
-    batch = RolloutBatch(1, 2, [_sample(0, [1, 5], [6, 7, 2], 1.0), _sample(1, [1, 5, 8], [9], 0.0)])
+    batch = RolloutBatch(
+        1, 2, [_sample(0, [1, 5], [6, 7, 2], 1.0), _sample(1, [1, 5, 8], [9], 0.0)]
+    )
     mb = build_train_batch(batch, pad_id=0).rows(1, 2)
     assert mb.input_ids.tolist() == [[1, 5, 8, 9]]
     assert mb.loss_mask.tolist() == [[0, 0, 1]]

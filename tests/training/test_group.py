@@ -120,7 +120,10 @@ def test_two_workers_fsdp_deterministic_and_recoverable(reference, tiny_model, s
         uninterrupted = weight_shas(storage_cfg, run, 2)
         ray.kill(group.actors()[1])  # one rank dies; the group rebuilds both
         assert group.ensure_state(2, tiny_model) == {
-            "restored_from": 1, "replayed": [2], "recreated": True}
+            "restored_from": 1,
+            "replayed": [2],
+            "recreated": True,
+        }
         # v2 is committed; publish the replayed state as a separate version to compare.
         group.export_hf(102, 2, 1)
     finally:
@@ -133,7 +136,8 @@ def test_two_workers_fsdp_deterministic_and_recoverable(reference, tiny_model, s
     assert m1["response_tokens"] == ref_m1["response_tokens"]
     # Against the 1-worker run only closeness holds (another reduction order).
     ref = AutoModelForCausalLM.from_pretrained(
-        RunStore(storage_cfg, reference["run"]).local_version_dir(2))
+        RunStore(storage_cfg, reference["run"]).local_version_dir(2)
+    )
     fsdp = AutoModelForCausalLM.from_pretrained(RunStore(storage_cfg, run).local_version_dir(2))
     for (name, p), q in zip(ref.state_dict().items(), fsdp.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4, msg=name)

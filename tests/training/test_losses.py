@@ -53,8 +53,15 @@ def test_k3_kl_and_entropy_terms():
     kl_tok = 2 - math.log(2.0) - 1  # exp(d) - d - 1 with d = log 2
     ent = torch.tensor([[1.0, 3.0]])
     loss, m = grpo_loss(
-        lp, lp, torch.tensor([0.0]), torch.ones(1, 2), 0.2,
-        ref_logprobs=ref, kl_coef=0.5, entropy=ent, entropy_coef=0.1,
+        lp,
+        lp,
+        torch.tensor([0.0]),
+        torch.ones(1, 2),
+        0.2,
+        ref_logprobs=ref,
+        kl_coef=0.5,
+        entropy=ent,
+        entropy_coef=0.1,
     )
     assert m["kl"] == pytest.approx(kl_tok)
     assert m["entropy"] == pytest.approx(2.0)

@@ -23,7 +23,9 @@ def synthetic_batch(k: int, prompts: int = 4, n: int = 4) -> RolloutBatch:
         for j in range(n):
             resp = [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(rng.randint(1, 8))] + [2]
             samples.append(
-                Sample(p, j, prompt, resp, [-3.0] * len(resp), float(rng.random() < 0.5), k - 1, "stop")
+                Sample(
+                    p, j, prompt, resp, [-3.0] * len(resp), float(rng.random() < 0.5), k - 1, "stop"
+                )
             )
     return RolloutBatch(k, n, samples)
 

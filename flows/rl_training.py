@@ -44,11 +44,40 @@ class TrainingParams(BaseModel):
     force_lease: bool = Field(False, title="Take over the lease", description="Only when the holder is dead")
 
 
-@flow(name="rl-training", log_prints=True)
+def _run_name() -> str:
+    """Flow run name ``<run>:training``, read from the parameters being run."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters.get("params") or {}
+    if isinstance(params, BaseModel):
+        params = params.model_dump()
+    overrides = params.get("overrides") or {}
+    name = overrides.get("run.name")
+    if name is None:
+        try:
+            name = load_config(params.get("config_path", "configs/tiny-cpu.yaml")).run.name
+        except ValueError:
+            name = "invalid-config"
+    return f"{name}:training"
+
+
+def _tag_flow_run(run_name: str) -> None:
+    """Tag this flow run with the run name, so the UI can filter a run's history."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    with get_client(sync_client=True) as client:
+        current = client.read_flow_run(flow_run.id)
+        if run_name not in current.tags:
+            client.update_flow_run(flow_run.id, tags=[*current.tags, run_name])
+
+
+@flow(name="rl-training", flow_run_name=_run_name, log_prints=True)
 def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
     params = params or TrainingParams()
     logger = get_run_logger()
     cfg = load_config(params.config_path, params.overrides)
+    _tag_flow_run(cfg.run.name)
     if params.extra_iterations:
         cfg = continued(cfg, params.extra_iterations)
     ctx = prepare_run(cfg, force_lease=params.force_lease)
