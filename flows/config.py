@@ -87,6 +87,17 @@ class RunConfig(BaseModel):
                 "rollout.n_samples_per_prompt must be at least 2: GRPO normalises rewards "
                 "within a group of samples of one prompt"
             )
+        remote = "://" in self.storage.root and not self.storage.root.startswith("file://")
+        if self.weights.transport == "disk" and remote:
+            raise ValueError(
+                f"weights.transport 'disk' needs a local storage.root, got {self.storage.root!r}; "
+                "set weights.transport: object-store to publish to object storage"
+            )
+        if self.weights.transport == "object-store" and not remote:
+            raise ValueError(
+                "weights.transport 'object-store' needs an object-store storage.root such as "
+                "s3://bucket/prefix; use weights.transport: disk for a local path"
+            )
         n_seq = self.rollout.batch_size * self.rollout.n_samples_per_prompt
         if n_seq % self.train.num_workers:
             raise ValueError(

@@ -10,6 +10,11 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Dummy credentials for the moto S3 server, set before any Ray cluster starts so
+# that train and engine actors inherit them exactly as they would real ones.
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "AKIAPREFECTRLFAKE0001")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "prefect-rl-fake-secret-0123456789abcdef")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 
 @pytest.fixture(scope="session")
@@ -17,7 +22,7 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, namespace="prefect-rl", log_to_driver=False)
+        ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="prefect-rl", log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -132,10 +132,25 @@ class TrainActor:
     def export_hf(self, version: int, iteration: int, parent: int | None) -> dict | None:
         """Collective. Rank 0 publishes ``weights/v{version}``; returns a summary."""
         self._require_model()
+        store = self.store()
+        if version in store.committed_versions():  # a committed version is never rewritten
+            if self.rank != 0:
+                return None
+            manifest = manifest_dict(store.read_manifest(version))
+            names = [f["name"] for f in manifest["files"]]
+            return {
+                "version": version,
+                "iteration": manifest["iteration"],
+                "parent": manifest["parent"],
+                "files": names,
+                "manifest": manifest,
+                "shards": sum(n.endswith(".safetensors") for n in names),
+                "reused": True,
+            }
         state = bt.full_model_state(self.model)
         if self.rank != 0:
             return None
-        writer = self.store().weights_writer(version, iteration, parent)
+        writer = store.weights_writer(version, iteration, parent)
         written = write_hf_weights(
             writer, drop_tied(self.model, state), self.weights_cfg.shard_size, self.base_model_path
         )

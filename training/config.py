@@ -44,7 +44,11 @@ class ModelConfig(BaseModel):
 class WeightsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    transport: Literal["disk"] = "disk"
+    transport: Literal["disk", "object-store"] = Field(
+        "disk",
+        description="disk: engines load version folders on a shared local disk; "
+        "object-store: versions go to s3:// and each engine host pulls them to its local cache",
+    )
     shard_size: int = Field(512 * 1024 * 1024, ge=1024, description="Max bytes per safetensors shard")
     publish_interval: int = Field(1, ge=1)
     flush_cache_interval: int = Field(1, ge=1, description="Flush engine caches every N versions")

@@ -14,7 +14,8 @@ from training.tiny_model import write_tiny_model
 def ray_cluster():
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        # address="local": always a private cluster, never one another test started.
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     if started:
         ray.shutdown()

@@ -38,6 +38,7 @@ def reference(ray_cluster, tiny_model, storage_cfg):
             out[f"summary{k}"] = group.export_hf(k, k, k - 1)
             out[f"v{k}"] = weight_shas(storage_cfg, run, k)
         out["probe_logprobs"] = ray.get(group.actors()[0].score.remote(PROBE))
+        out["reexport"] = group.export_hf(3, 3, 2)
     finally:
         group.shutdown()
     return out
@@ -57,6 +58,8 @@ def test_train_metrics_and_sharded_export(reference):
     assert "model.safetensors.index.json" in summary["files"]
     assert summary["manifest"]["version"] == 3 and summary["manifest"]["parent"] == 2
     assert len({tuple(sorted(reference[f"v{k}"].items())) for k in (1, 2, 3)}) == 3
+    assert reference["reexport"]["reused"] is True  # committed versions are not rewritten
+    assert reference["reexport"]["manifest"] == summary["manifest"]
 
 
 def test_export_loads_and_matches_trainer_logits(reference, storage_cfg):

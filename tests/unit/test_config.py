@@ -16,7 +16,7 @@ def test_every_shipped_config_loads(path):
 
 
 def test_overrides_apply_with_yaml_types():
-    cfg = load_config(ROOT / "configs/tiny-cpu.yaml", ["run.iterations=3", "storage.root=s3://b/p", "engines.num_engines=2"])
+    cfg = load_config(ROOT / "configs/tiny-cpu.yaml", ["run.iterations=3", "storage.root=s3://b/p", "weights.transport=object-store", "engines.num_engines=2"])
     assert cfg.run.iterations == 3
     assert cfg.storage.root == "s3://b/p"
     assert cfg.engines.num_engines == 2

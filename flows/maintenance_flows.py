@@ -76,7 +76,7 @@ def _committed_version(ctx: RunContext, version: int) -> None:
 def _point_and_check(ctx: RunContext, version: int) -> list[dict[str, Any]]:
     engines = list(range(ctx.cfg.engines.num_engines))
     points = maintenance.point_engine.map(unmapped(ctx), version, engines)
-    checks = maintenance.check_engine.map(unmapped(ctx), version, engines, wait_for=points)
+    checks = maintenance.check_engine.map(unmapped(ctx), version, engines, upstream=points)
     return [c.result() for c in checks]
 
 
