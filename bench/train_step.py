@@ -9,6 +9,10 @@ HF model over the same tokens. Prints a markdown table and writes
 not the orchestration.
 
     python bench/train_step.py [--device cpu|cuda] [--repeats 3]
+        [--backend torch|megatron] [--dtype float32|bfloat16] [--models a,b]
+
+``--backend megatron`` times ``MegatronTrainActor.train_step`` (CUDA only);
+``--models qwen2-0.5b`` adds a Qwen2.5-0.5B-shaped random-init model.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM  # 
 from rollout.types import RolloutBatch, Sample  # noqa: E402
 from storage.config import StorageConfig  # noqa: E402
 from storage.run_store import RunStore  # noqa: E402
-from training.actor import TrainActor  # noqa: E402
 from training.config import ModelConfig, TrainConfig  # noqa: E402
+from training.group import actor_class  # noqa: E402
 from training.tiny_model import write_tiny_model  # noqa: E402
 
 PROMPTS, N, PROMPT_LEN, RESPONSE_LEN = 8, 4, 16, 48
@@ -56,6 +60,28 @@ def write_qwen2(out: Path) -> Path:
     return out
 
 
+def write_qwen2_05b(out: Path) -> Path:
+    """Qwen2.5-0.5B's shape (~494M parameters, tied embeddings), random init, bf16 on disk."""
+    cfg = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+MODELS = {"tiny-llama": write_tiny_model, "qwen2-19m": write_qwen2, "qwen2-0.5b": write_qwen2_05b}
+
+
 def rollouts(k: int, vocab: int) -> RolloutBatch:
     rng = random.Random(k)
     samples = [
@@ -75,23 +101,34 @@ def rollouts(k: int, vocab: int) -> RolloutBatch:
     return RolloutBatch(k, N, samples)
 
 
-def bench_model(name: str, path: Path, root: Path, device: str, repeats: int) -> dict:
+def bench_model(
+    name: str,
+    path: Path,
+    root: Path,
+    device: str,
+    repeats: int,
+    backend: str = "torch",
+    dtype: str = "float32",
+) -> dict:
     vocab = AutoModelForCausalLM.from_pretrained(path).config.vocab_size
     store_cfg = StorageConfig(root=str(root))
     store = RunStore(store_cfg, name)
     for k in range(1, repeats + 2):
         store.write_rollouts(k, rollouts(k, vocab).to_json())
     cfg = TrainConfig(
+        backend=backend,
         micro_batch_size=8,
         torch_threads=torch.get_num_threads(),
         num_gpus_per_worker=1.0 if device == "cuda" else 0.0,
     )
-    actor = TrainActor(0, 1, "127.0.0.1", 0, cfg, ModelConfig(), store_cfg, name, seed=0)
+    actor = actor_class(backend)(
+        0, 1, "127.0.0.1", 0, cfg, ModelConfig(dtype=dtype), store_cfg, name, seed=0
+    )
     actor.setup()
     actor.init_from_base(str(path))
 
     # Baseline: the same tokens through plain HF forward + backward + AdamW.
-    model = AutoModelForCausalLM.from_pretrained(path).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.tensor([s.prompt_ids + s.response_ids for s in rollouts(1, vocab).samples])
     chunks = ids.to(device).split(cfg.micro_batch_size)
@@ -116,8 +153,13 @@ def bench_model(name: str, path: Path, root: Path, device: str, repeats: int) ->
     step_s = statistics.median(m["train_s"] for m in steps[1:])
     raw_s = statistics.median(raw[1:])
     params = sum(p.numel() for p in model.parameters())
+    actor = model = opt = None  # free GPU memory before the next model
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return {
         "model": name,
+        "backend": backend,
+        "dtype": dtype,
         "params": params,
         "tokens_per_step": tokens,
         "train_step_s": step_s,
@@ -132,16 +174,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--backend", choices=["torch", "megatron"], default="torch")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument(
+        "--models", default="tiny-llama,qwen2-19m", help=f"comma list of {list(MODELS)}"
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train_step.json"))
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
-        models = {"tiny-llama": write_tiny_model(t / "tiny"), "qwen2-19m": write_qwen2(t / "qwen2")}
-        for name, path in models.items():
-            rows.append(bench_model(name, path, t / "runs", args.device, args.repeats))
+        for name in args.models.split(","):
+            path = MODELS[name](t / name)
+            rows.append(
+                bench_model(
+                    name, path, t / "runs", args.device, args.repeats, args.backend, args.dtype
+                )
+            )
     print(
-        f"\ntrain step, device={args.device}, {PROMPTS * N} samples x "
+        f"\ntrain step, backend={args.backend}, dtype={args.dtype}, device={args.device}, "
+        f"{PROMPTS * N} samples x "
         f"{PROMPT_LEN + RESPONSE_LEN} tokens, median of {args.repeats}\n"
     )
     print(
@@ -158,7 +210,14 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
-            {"device": args.device, "threads": torch.get_num_threads(), "rows": rows}, indent=2
+            {
+                "device": args.device,
+                "backend": args.backend,
+                "dtype": args.dtype,
+                "threads": torch.get_num_threads(),
+                "rows": rows,
+            },
+            indent=2,
         )
         + "\n"
     )

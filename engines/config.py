@@ -7,10 +7,35 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class SGLangConfig(BaseModel):
+    """How ``engines.kind: sglang`` launches ``python -m sglang.launch_server``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="--host of each server")
+    port: int = Field(
+        0, ge=0, le=65535, description="--port of engine 0 (i adds i); 0 = a free port"
+    )
+    tp_size: int = Field(1, ge=1, description="--tp-size")
+    mem_fraction_static: float | None = Field(
+        None, gt=0, le=1, description="--mem-fraction-static (None: SGLang's default)"
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="More launch_server arguments, passed as given"
+    )
+    launch_command: list[str] | None = Field(
+        None,
+        description="Command before the arguments; default [python, -m, sglang.launch_server]",
+    )
+    startup_timeout_s: float = Field(900.0, gt=0, description="Deadline for /health_generate")
+    stop_timeout_s: float = Field(30.0, gt=0, description="SIGTERM grace before SIGKILL")
+    log_dir: str | None = Field(None, description="Server logs go here (default: a temp dir)")
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["embedded"] = "embedded"
+    kind: Literal["embedded", "sglang"] = "embedded"
     num_engines: int = Field(1, ge=1)
     num_cpus_per_engine: float = Field(1.0, gt=0, description="Ray CPUs reserved per engine")
     num_gpus_per_engine: float = Field(0.0, ge=0)
@@ -24,3 +49,12 @@ class EngineConfig(BaseModel):
     batch_wait_s: float = Field(
         0.005, ge=0, description="How long a non-full batch waits for more requests to join"
     )
+    allowed_weight_roots: list[str] = Field(
+        default_factory=list,
+        description="Dirs /update_weights_from_disk may load from (plus the start model's dir)",
+    )
+    api_key_env: str = Field(
+        "PREFECT_RL_ENGINE_API_KEY",
+        description="Env var holding the bearer token of the admin endpoints (never in config)",
+    )
+    sglang: SGLangConfig = SGLangConfig()

@@ -35,12 +35,19 @@ class Row:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
+    # Returns the stop string the completion now contains, if any (stop strings).
+    stop_check: Callable[[list[int]], str | None] | None = None
 
     def push(self, tok: int, logprob: float) -> None:
+        if self.finish is not None:  # ended from outside (abort_request) during the step
+            return
         self.output_ids.append(tok)
         self.logprobs.append(logprob)
+        matched = None if self.stop_check is None else self.stop_check(self.output_ids)
         if tok in self.stop_ids:
             self.finish = {"type": "stop", "matched": tok}
+        elif matched is not None:
+            self.finish = {"type": "stop", "matched": matched}
         elif len(self.output_ids) >= self.params.max_new_tokens:
             self.finish = {"type": "length", "length": self.params.max_new_tokens}
 

@@ -34,6 +34,7 @@ Versions and pausing:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -80,6 +81,7 @@ class _Call:
     remaining: int
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
+    rids: list[str] | None = None  # request ids, for abort_request(rid)
 
 
 class EmbeddedEngine:
@@ -99,6 +101,7 @@ class EmbeddedEngine:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         self._model = model.to(self._device).eval()
         self._model_path = model_path
+        self._start_path = model_path  # always an allowed root for HTTP reloads
         self._weight_version = str(int(weight_version))
         self._eos = self._eos_ids()
         self._cond = threading.Condition()
@@ -110,6 +113,8 @@ class EmbeddedEngine:
         self._abort_epoch = 0  # bumped to abort everything in flight
         self._abort_msg = ""
         self._released = False
+        self._running: list[tuple[_Call, int, Row]] = []  # rows the worker is decoding now
+        self._http = None  # engines.http_server.HttpServerThread once start_http ran
         threading.Thread(target=self._worker, name=f"engine-{engine_id}", daemon=True).start()
 
     def _eos_ids(self) -> frozenset[int]:
@@ -125,6 +130,7 @@ class EmbeddedEngine:
         input_ids: list[list[int]],
         sampling_params: list[dict] | dict,
         return_logprob: bool = True,
+        rid: list[str] | None = None,
     ) -> list[GenerateResult]:
         """SGLang ``/generate`` for a batch of token-id prompts.
 
@@ -133,7 +139,8 @@ class EmbeddedEngine:
         it is batched with. ``output_token_logprobs`` holds the logprob of
         each sampled token under the temperature-scaled distribution (see
         ``engines.sampling.sample_row``); it is always returned, and
-        ``return_logprob`` is accepted for API compatibility.
+        ``return_logprob`` is accepted for API compatibility. ``rid`` names
+        each request for ``abort_request``.
         """
         if isinstance(sampling_params, dict):
             sampling_params = [sampling_params] * len(input_ids)
@@ -144,7 +151,9 @@ class EmbeddedEngine:
             raise ValueError("empty prompt: every input_ids row needs >= 1 token")
         if not input_ids:
             return []
-        call = _Call(results=[None] * len(input_ids), remaining=len(input_ids))
+        if rid is not None and len(rid) != len(input_ids):
+            raise ValueError("give one rid per prompt")
+        call = _Call(results=[None] * len(input_ids), remaining=len(input_ids), rids=rid)
         with self._cond:
             while self._paused:
                 self._cond.wait()
@@ -169,6 +178,7 @@ class EmbeddedEngine:
                 self._inflight = len(batch)
                 epoch = self._abort_epoch
                 rows = [self._row(prompt, sp) for _, _, prompt, sp in batch]
+                self._running = [(call, i, row) for (call, i, _, _), row in zip(batch, rows)]
             error = None
             try:
                 decode(
@@ -184,6 +194,7 @@ class EmbeddedEngine:
                 error = f"{type(e).__name__}: {e}"
             with self._cond:
                 self._inflight = 0
+                self._running = []
                 for (call, i, _, _), row in zip(batch, rows):
                     self._deliver(call, i, row, error)
                 self._cond.notify_all()
@@ -210,7 +221,22 @@ class EmbeddedEngine:
             stop_ids=stop,
             generator=make_generator(sp.sampling_seed),
             version_start=self._weight_version,
+            stop_check=self._stop_check(sp.stop) if sp.stop else None,
         )
+
+    def _stop_check(self, stops: tuple[str, ...]):
+        """A Row.stop_check that finds a stop string in the completion's decoded tail.
+
+        Only the last few tokens are decoded each step: an earlier match would
+        have ended the row already.
+        """
+        window = 4 * max(len(s) for s in stops) + 8
+
+        def check(ids: list[int]) -> str | None:
+            tail = self._tokenizer.decode(ids[-window:], skip_special_tokens=True)
+            return next((s for s in stops if s in tail), None)
+
+        return check
 
     def _pad_id(self) -> int:
         pad = self._tokenizer.pad_token_id
@@ -234,6 +260,9 @@ class EmbeddedEngine:
         if row.finish is None:
             row.finish = {"type": "abort", "message": error or "not finished"}
         text = self._tokenizer.decode(row.output_ids, skip_special_tokens=True)
+        matched = row.finish.get("matched")
+        if isinstance(matched, str) and matched in text:  # SGLang trims a stop string
+            text = text[: text.index(matched)]
         call.results[i] = row.result(text, self._weight_version, self.engine_id)
         call.remaining -= 1
         if call.remaining == 0:
@@ -390,3 +419,83 @@ class EmbeddedEngine:
                 self._model.to(self._device)
             self._released = False
         return {"success": True, "message": f"resumed (device={self._device})"}
+
+    # ---- requests, tokens and the HTTP front door ---------------------------
+
+    @_control
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
+        """SGLang ``/abort_request``: end one request (by rid) or all with finish reason abort.
+
+        Queued requests end at once; running ones at their next decode step.
+        Returns how many requests were aborted.
+        """
+        msg = "aborted by abort_request"
+        with self._cond:
+            if abort_all:
+                n = len(self._queue) + self._inflight
+                self._abort_all(msg)
+                return n
+            n, kept = 0, deque()
+            for item in self._queue:
+                call, i, prompt, sp = item
+                if call.rids is not None and call.rids[i] == rid:
+                    row = self._row(prompt, sp)
+                    row.finish = {"type": "abort", "message": msg}
+                    self._deliver(call, i, row, None)
+                    n += 1
+                else:
+                    kept.append(item)
+            self._queue = kept
+            for call, i, row in self._running:
+                if call.rids is not None and call.rids[i] == rid and row.finish is None:
+                    row.finish = {"type": "abort", "message": msg}
+                    n += 1
+            self._cond.notify_all()
+            return n
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, as SGLang tokenizes a ``text`` prompt."""
+        return [self._tokenizer.encode(t) for t in texts]
+
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a request unless ``ignore_eos`` (SGLang adds stop_token_ids to them)."""
+        return sorted(self._eos)
+
+    @_control
+    def start_http(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        allowed_roots: list[str] | None = None,
+        api_key: str | None = None,
+    ) -> str:
+        """Serve SGLang's HTTP API for this engine from a thread of this process; returns its URL.
+
+        Idempotent: a second call returns the running server's URL. Weight
+        reloads over HTTP are limited to ``allowed_roots`` (plus the
+        ``engines.allowed_weight_roots`` of the config and the directory the
+        engine started from); the bearer token defaults to the environment
+        variable named by ``engines.api_key_env``.
+        """
+        from engines.http_server import ServerSettings, serve_in_thread
+
+        if self._http is None:
+            roots = [*(allowed_roots or []), *self._cfg.allowed_weight_roots, self._start_path]
+            settings = ServerSettings(
+                host=host,
+                port=port,
+                api_key=api_key or os.environ.get(self._cfg.api_key_env) or None,
+                allowed_roots=tuple(roots),
+            )
+            self._http = serve_in_thread(self, settings)
+        return self._http.url
+
+    @_control
+    def http_url(self) -> str | None:
+        return None if self._http is None else self._http.url
+
+    @_control
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.stop()
+            self._http = None

@@ -22,6 +22,7 @@ verify tasks) does; a restart defaults to the version a live peer reports.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engines.client import EngineClient
 from engines.config import EngineConfig
 from engines.embedded import GENERATE_CONCURRENCY, actor_class
 from engines.types import GenerateResult
@@ -112,6 +114,13 @@ class EngineGroup:
     def _kill(self, i: int) -> None:
         h = self.handle(i)
         if h is not None:
+            if (
+                self.cfg.kind == "sglang"
+            ):  # a graceful stop first; the server also dies with the actor
+                try:
+                    ray.get(h.stop.remote(), timeout=self.cfg.sglang.stop_timeout_s + 10)
+                except Exception:  # a dead or hung actor: the kill below still ends it
+                    log.warning("%s: graceful stop failed", self.actor_name(i))
             ray.kill(h, no_restart=True)
         pg = self._find_pg(i)
         if pg is not None:
@@ -142,7 +151,12 @@ class EngineGroup:
             num_gpus=self.cfg.num_gpus_per_engine,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
         )
-        cls = actor_class()
+        if self.cfg.kind == "sglang":
+            from engines.sglang import actor_class as sglang_actor_class
+
+            cls = sglang_actor_class()
+        else:
+            cls = actor_class()
         # ray.kill is asynchronous: the old actor's name can stay taken for a
         # moment after a kill, so retry the named creation briefly.
         deadline = time.monotonic() + self.cfg.health_timeout_s
@@ -169,6 +183,38 @@ class EngineGroup:
         if path is None:
             raise ValueError("no model to restart with: call start() or pass restart_fn")
         self.restart(i, path, version)
+
+    # ---- HTTP -------------------------------------------------------------
+
+    def start_http(
+        self, host: str = "127.0.0.1", port: int = 0, allowed_roots: list[str] | None = None
+    ) -> dict[int, str]:
+        """Each engine's SGLang HTTP URL, starting embedded engines' servers where needed.
+
+        Embedded engine i listens on ``port + i`` (``port`` 0: a free port) and
+        reloads only from ``allowed_roots`` (plus its config's); an SGLang engine
+        serves HTTP already.
+        """
+        urls = {}
+        for i, h in self.handles().items():
+            if self.cfg.kind == "sglang":
+                urls[i] = ray.get(h.http_url.remote())
+            else:
+                p = port + i if port else 0
+                urls[i] = ray.get(h.start_http.remote(host, p, allowed_roots))
+        return urls
+
+    def urls(self) -> dict[int, str]:
+        """URLs of the engines that serve HTTP now, by index."""
+        found = {i: ray.get(h.http_url.remote()) for i, h in self.handles().items()}
+        return {i: u for i, u in found.items() if u}
+
+    def client(self, i: int, **kwargs: Any) -> EngineClient:
+        """An HTTP client of engine i, with the admin token from ``engines.api_key_env``."""
+        url = self.urls().get(i)
+        if url is None:
+            raise RuntimeError(f"{self.actor_name(i)} serves no HTTP: call start_http() first")
+        return EngineClient(url, api_key=os.environ.get(self.cfg.api_key_env) or None, **kwargs)
 
     # ---- rollout ----------------------------------------------------------
 

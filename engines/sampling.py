@@ -43,6 +43,8 @@ def sample_row(
         return tok, float(logp[tok])
     logp = torch.log_softmax(logits / params.temperature, dim=-1)
     probs = logp.exp()
+    if params.top_k > 0:
+        probs = _top_k(probs, params.top_k)
     if params.top_p < 1.0:
         probs = _nucleus(probs, params.top_p)
     tok = int(torch.multinomial(probs, 1, generator=generator))
@@ -66,7 +68,8 @@ def sample_rows(
         if p.temperature <= 0:
             tokens.append(int(torch.argmax(logits[b])))
             continue
-        row = _nucleus(probs[b], p.top_p) if p.top_p < 1.0 else probs[b]
+        row = _top_k(probs[b], p.top_k) if p.top_k > 0 else probs[b]
+        row = _nucleus(row, p.top_p) if p.top_p < 1.0 else row
         tokens.append(int(torch.multinomial(row, 1, generator=g)))
     picked = logp[torch.arange(len(tokens)), torch.tensor(tokens)]
     return tokens, picked.tolist()
@@ -80,4 +83,13 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     before = torch.cumsum(sorted_p, dim=-1) - sorted_p
     sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))
     kept = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return kept / kept.sum()
+
+
+def _top_k(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """Zero all but the k most likely tokens, renormalised (SGLang applies top-k before top-p)."""
+    if k >= probs.shape[-1]:
+        return probs
+    kth = torch.topk(probs, k).values[-1]
+    kept = torch.where(probs >= kth, probs, torch.zeros_like(probs))
     return kept / kept.sum()

@@ -41,6 +41,25 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_engine(args: argparse.Namespace) -> int:
+    from engines.http_server import serve_model
+
+    try:
+        serve_model(
+            args.model,
+            host=args.host,
+            port=args.port,
+            weight_version=args.weight_version,
+            api_key=args.api_key or os.environ.get("PREFECT_RL_ENGINE_API_KEY") or None,
+            allowed_roots=tuple(args.allowed_root),
+            gpu=args.gpu,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefect-rl", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -54,6 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(fn=_tiny_model)
+    serve = sub.add_parser(
+        "serve-engine", help="serve one embedded engine over SGLang's HTTP API (no Ray)"
+    )
+    serve.add_argument("--model", required=True, help="local HF model dir")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--weight-version", default="0")
+    serve.add_argument("--api-key", default=None, help="admin bearer token (default: $PREFECT_RL_ENGINE_API_KEY)")
+    serve.add_argument("--allowed-root", action="append", default=[], metavar="DIR", help="dir weight reloads may load from (repeatable; the model dir always is)")
+    serve.add_argument("--gpu", action="store_true", help="run on CUDA if available")
+    serve.set_defaults(fn=_serve_engine)
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     return args.fn(args)

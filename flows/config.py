@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -55,14 +55,17 @@ class TaskPolicy(BaseModel):
     timeout_s: float = Field(1800.0, gt=0)
 
 
-class FaultSection(BaseModel):
+FaultStep = Literal["rollout", "train", "save", "publish", "reload", "verify"]
+
+
+class FaultSpec(BaseModel):
     """Fault injection for tests: fail ``step`` at iteration ``iteration``."""
 
     model_config = ConfigDict(extra="forbid")
 
-    step: str | None = None
-    iteration: int | None = None
-    kind: str = Field("exception", description="exception | kill_actor | sigkill")
+    step: FaultStep
+    iteration: int = Field(..., ge=1)
+    kind: Literal["exception", "kill_actor", "sigkill"] = "exception"
     times: int = Field(1, ge=1, description="How many attempts fail before it heals")
 
 
@@ -78,7 +81,7 @@ class RunConfig(BaseModel):
     weights: WeightsConfig = WeightsConfig()
     ray: RaySection = RaySection()
     tasks: TaskPolicy = TaskPolicy()
-    faults: FaultSection = FaultSection()
+    faults: list[FaultSpec] = Field(default_factory=list, description="Fault injection (tests only)")
 
     @model_validator(mode="after")
     def _sections_agree(self) -> RunConfig:

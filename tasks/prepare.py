@@ -123,7 +123,8 @@ def connect_ray(cfg: RunConfig) -> None:
         cfg.engines.num_engines * cfg.engines.num_cpus_per_engine
         + cfg.train.num_workers * cfg.train.num_cpus_per_worker
     )
-    ray.init(num_cpus=cfg.ray.num_cpus or int(need) + 4, **kwargs)
+    # address="local": never join a cluster someone else started on this machine.
+    ray.init(address="local", num_cpus=cfg.ray.num_cpus or int(need) + 4, **kwargs)
 
 
 def prepare_run(cfg: RunConfig, force_lease: bool = False) -> RunContext:

@@ -75,7 +75,10 @@ def _generate(ctx, group, k: int, v: int) -> RolloutBatch:
         "max_new_tokens": cfg.rollout.max_new_tokens,
     }
     t0 = time.perf_counter()
-    groups = group.generate_groups(prompt_ids, n, sampling, seeds)
+    # A dead engine is restarted on the version this rollout needs, and its
+    # groups are regenerated whole, so no group mixes versions.
+    path = version_path(ctx, v)
+    groups = group.generate_groups(prompt_ids, n, sampling, seeds, restart_fn=lambda i: group.restart(i, path, v))
     gen_s = time.perf_counter() - t0
     samples: list[Sample] = []
     for p, ids, outs in zip(prompts, prompt_ids, groups):

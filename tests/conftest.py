@@ -32,3 +32,13 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from training.tiny_model import write_tiny_model
 
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """A temporary Prefect server (SQLite) for in-process flow runs; yields its API URL."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=60):
+        yield PREFECT_API_URL.value()

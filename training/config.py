@@ -16,10 +16,20 @@ class LossConfig(BaseModel):
     entropy_coef: float = Field(0.0, ge=0)
 
 
+class MegatronConfig(BaseModel):
+    """Model-parallel sizes of ``train.backend: megatron``; data parallel is
+    num_workers / (tensor_parallel * pipeline_parallel)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tensor_parallel: int = Field(1, ge=1)
+    pipeline_parallel: int = Field(1, ge=1)
+
+
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    backend: Literal["torch"] = "torch"
+    backend: Literal["torch", "megatron"] = "torch"
     num_workers: int = Field(1, ge=1, description="Train actors (ranks); FSDP2 over gloo/NCCL when > 1")
     num_cpus_per_worker: float = Field(1.0, gt=0)
     num_gpus_per_worker: float = Field(0.0, ge=0)
@@ -30,6 +40,7 @@ class TrainConfig(BaseModel):
     micro_batch_size: int = Field(64, ge=1)
     release_after_publish: bool = False
     loss: LossConfig = LossConfig()
+    megatron: MegatronConfig = MegatronConfig()
 
 
 class ModelConfig(BaseModel):

@@ -39,6 +39,15 @@ def _master_endpoint() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
+def actor_class(backend: str) -> type[TrainActor]:
+    """The train-actor class of ``train.backend``; megatron-core is imported only when chosen."""
+    if backend == "megatron":
+        from training.megatron.actor import MegatronTrainActor
+
+        return MegatronTrainActor
+    return TrainActor
+
+
 class TrainGroup:
     def __init__(
         self,
@@ -85,7 +94,7 @@ class TrainGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)
             ).remote()
         )
-        remote_cls = ray.remote(TrainActor)
+        remote_cls = ray.remote(actor_class(cfg.backend))
         actors = [
             remote_cls.options(
                 name=self.actor_name(rank),

@@ -104,8 +104,8 @@ def test_failed_run_retried_from_the_api_reexecutes_only_the_failed_step(stack, 
     from prefect.states import Scheduled
 
     params = {"params": {"overrides": overrides(
-        stack, tmp_path, "retry", **{"run.iterations": 1, "faults.step": "reload", "faults.iteration": 1,
-                                     "faults.times": 3, "tasks.retries": 2})}}
+        stack, tmp_path, "retry", **{"run.iterations": 1, "tasks.retries": 2,
+                                     "faults": [{"step": "reload", "iteration": 1, "times": 3}]})}}
     out = run_deployment(stack, "rl-training/tiny-cpu", params, check=False)
     assert out.returncode != 0, "the injected reload fault should fail the run"
     store = store_of(tmp_path, "retry")

@@ -80,14 +80,6 @@ def test_publish_writes_manifest_last(ray_cluster, tmp_path):
     assert os.stat(f"{vdir}/manifest.json").st_mtime_ns >= max(mtimes.values())
 
 
-@pytest.fixture(scope="session")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=60):
-        yield
-
-
 def test_flow_run_on_ray_task_runner(ray_cluster, prefect_api, tmp_path):
     from flows.rl_training import TrainingParams, rl_training
 

@@ -1,0 +1,201 @@
+"""The one HTTP client of a rollout engine: an SGLang server or the embedded one.
+
+Owns how prefect-rl talks to an engine over HTTP: timeouts, bounded retries
+on transient failures, the admin bearer token and turning error replies into
+``EngineHTTPError``. Methods mirror SGLang 0.5.x endpoints and send SGLang's
+request bodies; replies are returned as SGLang shapes them. Retries cover
+only failures where the request cannot have run: connection errors and 502,
+503 and 504 replies; a read timeout is never retried (a generation may be
+running). The weight version is read from ``/model_info`` (newer SGLang
+removed ``/get_weight_version``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+RETRY_STATUS = (502, 503, 504)
+
+
+class EngineHTTPError(RuntimeError):
+    """The engine answered ``status`` with ``message`` (or could not be reached: status 0)."""
+
+    def __init__(self, status: int, message: str, path: str) -> None:
+        super().__init__(f"{path}: HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+        self.path = path
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text.strip() or resp.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        for key in ("message", "detail"):
+            if key in body:
+                return str(body[key])
+    return str(body)
+
+
+class EngineClient:
+    """Synchronous client of one engine at ``base_url``; thread-safe (one httpx pool)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 5.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- transport --------------------------------------------------------
+
+    def request(self, method: str, path: str, json: Any = None) -> httpx.Response:
+        """Send with bounded retries on transient errors; raise EngineHTTPError on a 4xx/5xx."""
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                resp = self._http.request(method, path, json=json)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
+                if last:
+                    raise EngineHTTPError(0, f"unreachable: {e}", path) from e
+            else:
+                if resp.status_code not in RETRY_STATUS or last:
+                    if resp.status_code >= 400:
+                        raise EngineHTTPError(resp.status_code, _message(resp), path)
+                    return resp
+            time.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _json(self, method: str, path: str, body: Any = None) -> Any:
+        resp = self.request(method, path, body)
+        return resp.json() if resp.content else None
+
+    # ---- generation and info ----------------------------------------------
+
+    def generate(
+        self,
+        input_ids: list[int] | list[list[int]] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        return_logprob: bool | list[bool] = False,
+        text: str | list[str] | None = None,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict]:
+        """``/generate``: a dict for one prompt (n=1), else a list in prompt-major order."""
+        body: dict[str, Any] = {"return_logprob": return_logprob}
+        if input_ids is not None:
+            body["input_ids"] = input_ids
+        if text is not None:
+            body["text"] = text
+        if sampling_params is not None:
+            body["sampling_params"] = sampling_params
+        if rid is not None:
+            body["rid"] = rid
+        return self._json("POST", "/generate", body)
+
+    def health(self) -> bool:
+        """``/health``: True if the server answers 200 (no retries beyond the transport's)."""
+        return self._ok("/health")
+
+    def health_generate(self) -> bool:
+        """``/health_generate``: True if a 1-token generation succeeded."""
+        return self._ok("/health_generate")
+
+    def _ok(self, path: str) -> bool:
+        try:
+            self.request("GET", path)
+        except EngineHTTPError:
+            return False
+        return True
+
+    def model_info(self) -> dict:
+        return self._json("GET", "/model_info")
+
+    def server_info(self) -> dict:
+        return self._json("GET", "/server_info")
+
+    def get_weight_version(self) -> str:
+        """The served version, from ``/model_info``."""
+        return str(self.model_info()["weight_version"])
+
+    # ---- admin --------------------------------------------------------------
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict:
+        """``{success, message, num_paused_requests}``; a refused load raises EngineHTTPError."""
+        body: dict[str, Any] = {
+            "model_path": model_path,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return self._json("POST", "/update_weights_from_disk", body)
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> dict:
+        body = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
+        return self._json("POST", "/update_weight_version", body)
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self._json("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        return self._json("POST", "/continue_generation", {})
+
+    def flush_cache(self) -> bool:
+        """True if flushed; False if refused because requests are running (SGLang's 400)."""
+        try:
+            self.request("POST", "/flush_cache")
+        except EngineHTTPError as e:
+            if e.status == 400:
+                return False
+            raise
+        return True
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self.request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        return self._json("POST", "/release_memory_occupation", {"tags": tags})
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        return self._json("POST", "/resume_memory_occupation", {"tags": tags})
+
+    def begin_weight_update(self) -> Any:
+        return self._json("POST", "/begin_weight_update", {})
+
+    def end_weight_update(self) -> Any:
+        return self._json("POST", "/end_weight_update", {})

@@ -1,0 +1,347 @@
+"""SGLang's HTTP control API, served for an embedded engine.
+
+Owns the HTTP surface of one engine: routes, body validation, status codes,
+the admin token and the allowed weight roots (rules in ``engines.security``),
+and a uvicorn server on a thread (``serve_in_thread``) so one process, e.g.
+the engine's Ray actor, answers both Ray calls and HTTP. Shapes follow SGLang
+0.5.x's ``http_server.py``/``io_struct.py`` (see ``engines.types``); the
+generate translation is in ``engines.protocol``. Never loads a file outside
+the allowed roots and never returns a token.
+
+Status codes: 400 for a malformed body (bad JSON, unknown field, wrong type,
+out-of-range value) or a refused operation (``/flush_cache`` while requests
+run, a failed reload), 401/403 for a missing/wrong admin token, 403 for a
+``model_path`` outside the allowed roots, 503 when unhealthy. Error bodies are
+SGLang's ``ErrorResponse``: ``{"object": "error", "message", "type", "param",
+"code"}``; weight updates answer ``{success, message, num_paused_requests}``.
+
+Engine calls block, so they run on thread pools: one for generation, a small
+one for control, so pause/continue/update are served while every generation
+thread waits on a paused engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from engines import protocol
+from engines.security import AuthError, check_bearer, require_token, resolve_allowed
+from engines.types import (
+    AbortRequestBody,
+    ContinueGenerationBody,
+    GenerateBody,
+    MemoryOccupationBody,
+    PauseGenerationBody,
+    UpdateWeightsFromDiskBody,
+    UpdateWeightVersionBody,
+    WeightUpdateSessionBody,
+)
+
+log = logging.getLogger(__name__)
+
+SERVER_VERSION = "prefect-rl-embedded (SGLang 0.5.x API)"
+B = TypeVar("B", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"  # loopback unless an api_key is set
+    port: int = 0  # 0 = a free port
+    api_key: str | None = None  # bearer token of the admin endpoints
+    allowed_roots: tuple[str, ...] = ()  # dirs /update_weights_from_disk may load from
+
+
+class BadRequest(Exception):
+    """A 4xx with a message, raised by handlers and turned into an ErrorResponse."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def error_response(message: str, status: int) -> JSONResponse:
+    phrase = HTTPStatus(status).phrase
+    body = {"object": "error", "message": message, "type": phrase, "param": None, "code": status}
+    return JSONResponse(body, status_code=status)
+
+
+async def parse(request: Request, model: type[B]) -> B:
+    """The body as ``model``; an empty body is ``{}``. BadRequest names what is wrong."""
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        errs = e.errors(include_url=False)
+        if errs and errs[0]["type"] == "json_invalid":
+            raise BadRequest(f"malformed JSON body: {errs[0]['msg']}") from None
+        detail = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}" for err in errs
+        )
+        raise BadRequest(f"invalid {model.__name__}: {detail}") from None
+
+
+class _Server:
+    """Route handlers bound to one engine (an EmbeddedEngine or anything with its methods)."""
+
+    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+        require_token(settings.host, settings.api_key)
+        self.engine = engine
+        self.settings = settings
+        self.gen_pool = ThreadPoolExecutor(64, thread_name_prefix="http-generate")
+        self.ctl_pool = ThreadPoolExecutor(4, thread_name_prefix="http-control")
+        self.update_session = False  # between /begin_weight_update and /end_weight_update
+
+    async def run(self, fn: Callable[..., Any], *args: Any, control: bool = True) -> Any:
+        pool = self.ctl_pool if control else self.gen_pool
+        return await asyncio.get_running_loop().run_in_executor(pool, lambda: fn(*args))
+
+    def admin(self, request: Request) -> None:
+        check_bearer(request.headers.get("authorization"), self.settings.api_key)
+
+    # ---- generation and info ---------------------------------------------
+
+    async def generate(self, request: Request) -> Any:
+        body = await parse(request, GenerateBody)
+        try:
+            return await self.run(protocol.generate, body, self.engine, control=False)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def health_generate(self, request: Request) -> Response:
+        ok = await self.run(self.engine.health_generate)
+        return Response(status_code=200 if ok else 503)
+
+    async def model_info(self, request: Request) -> dict:
+        info = await self.run(self.engine.model_info)
+        return {
+            "model_path": info["model_path"],
+            "tokenizer_path": info["tokenizer_path"],
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": info["weight_version"],
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            **{k: v for k, v in info.items() if k not in ("is_generation",)},
+        }
+
+    async def server_info(self, request: Request) -> dict:
+        info = await self.run(self.engine.model_info)
+        load = await self.run(self.engine.get_load)
+        return {
+            "model_path": info["model_path"],
+            "host": self.settings.host,
+            "port": self.settings.port,
+            "weight_version": info["weight_version"],
+            "tp_size": 1,
+            "internal_states": [dict(load, paused=info.get("paused", False))],
+            "version": SERVER_VERSION,
+        }
+
+    async def get_load(self, request: Request) -> list[dict]:
+        load = await self.run(self.engine.get_load)
+        running, waiting = load["num_running_reqs"], load["num_waiting_reqs"]
+        return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting}]
+
+    # ---- admin -----------------------------------------------------------
+
+    async def update_weights_from_disk(self, request: Request) -> JSONResponse:
+        self.admin(request)
+        body = await parse(request, UpdateWeightsFromDiskBody)
+        try:
+            path = resolve_allowed(body.model_path, self.settings.allowed_roots)
+        except PermissionError as e:
+            reply = {"success": False, "message": str(e), "num_paused_requests": 0}
+            return JSONResponse(reply, status_code=403)
+        res = await self.run(
+            lambda: self.engine.update_weights_from_disk(
+                path, body.weight_version, body.flush_cache, body.abort_all_requests
+            )
+        )
+        return JSONResponse(res, status_code=200 if res["success"] else 400)
+
+    async def update_weight_version(self, request: Request) -> dict:
+        self.admin(request)
+        body = await parse(request, UpdateWeightVersionBody)
+        if body.abort_all_requests:
+            await self.run(lambda: self.engine.abort_request(abort_all=True))
+        await self.run(self.engine.update_weight_version, body.new_version)
+        msg = f"Weight version updated to {body.new_version}"
+        return {"success": True, "message": msg, "new_version": body.new_version}
+
+    async def pause_generation(self, request: Request) -> dict:
+        self.admin(request)
+        body = await parse(request, PauseGenerationBody)
+        await self.run(self.engine.pause_generation, body.mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    async def continue_generation(self, request: Request) -> dict:
+        self.admin(request)
+        await parse(request, ContinueGenerationBody)
+        await self.run(self.engine.continue_generation)
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    async def flush_cache(self, request: Request) -> Response:
+        self.admin(request)
+        if await self.run(self.engine.flush_cache):
+            return Response("Cache flushed.\n", status_code=200)
+        raise BadRequest(
+            "Cache not flushed: requests are running or waiting; pause with abort first"
+        )
+
+    async def abort_request(self, request: Request) -> Response:
+        self.admin(request)
+        body = await parse(request, AbortRequestBody)
+        await self.run(lambda: self.engine.abort_request(rid=body.rid, abort_all=body.abort_all))
+        return Response(status_code=200)
+
+    async def release_memory_occupation(self, request: Request) -> dict:
+        self.admin(request)
+        body = await parse(request, MemoryOccupationBody)
+        return await self.run(self.engine.release_memory_occupation, body.tags)
+
+    async def resume_memory_occupation(self, request: Request) -> dict:
+        self.admin(request)
+        body = await parse(request, MemoryOccupationBody)
+        return await self.run(self.engine.resume_memory_occupation, body.tags)
+
+    async def begin_weight_update(self, request: Request) -> dict:
+        """Open a weight-update session (SGLang 0.5.23); a no-op bracket for this engine."""
+        self.admin(request)
+        await parse(request, WeightUpdateSessionBody)
+        if self.update_session:
+            raise BadRequest("a weight update is already in progress: call /end_weight_update")
+        self.update_session = True
+        return {"success": True, "message": "weight update begun"}
+
+    async def end_weight_update(self, request: Request) -> dict:
+        self.admin(request)
+        await parse(request, WeightUpdateSessionBody)
+        if not self.update_session:
+            raise BadRequest("no weight update in progress: call /begin_weight_update first")
+        self.update_session = False
+        return {"success": True, "message": "weight update ended"}
+
+
+ROUTES: list[tuple[str, tuple[str, ...], str]] = [
+    ("/generate", ("POST", "PUT"), "generate"),
+    ("/health", ("GET",), "health"),
+    ("/health_generate", ("GET",), "health_generate"),
+    ("/model_info", ("GET",), "model_info"),
+    ("/get_model_info", ("GET",), "model_info"),
+    ("/server_info", ("GET",), "server_info"),
+    ("/get_server_info", ("GET",), "server_info"),
+    ("/get_load", ("GET",), "get_load"),
+    ("/update_weights_from_disk", ("POST",), "update_weights_from_disk"),
+    ("/update_weight_version", ("POST",), "update_weight_version"),
+    ("/pause_generation", ("POST",), "pause_generation"),
+    ("/continue_generation", ("POST",), "continue_generation"),
+    ("/flush_cache", ("GET", "POST"), "flush_cache"),
+    ("/abort_request", ("POST",), "abort_request"),
+    ("/release_memory_occupation", ("GET", "POST"), "release_memory_occupation"),
+    ("/resume_memory_occupation", ("GET", "POST"), "resume_memory_occupation"),
+    ("/begin_weight_update", ("POST",), "begin_weight_update"),
+    ("/end_weight_update", ("POST",), "end_weight_update"),
+]
+
+
+def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app serving ``engine``; raises ValueError for an unsafe binding."""
+    server = _Server(engine, settings)
+    app = FastAPI(title="prefect-rl engine", openapi_url=None)
+    app.state.server = server
+    for path, methods, name in ROUTES:
+        app.add_api_route(path, getattr(server, name), methods=list(methods))
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: Request, exc: BadRequest) -> JSONResponse:
+        return error_response(str(exc), exc.status)
+
+    @app.exception_handler(AuthError)
+    async def _auth(request: Request, exc: AuthError) -> JSONResponse:
+        return error_response(str(exc), exc.status)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("engine http: %s failed", request.url.path)
+        return error_response(f"{type(exc).__name__}: {exc}", 500)
+
+    return app
+
+
+class HttpServerThread:
+    """uvicorn serving an app on a daemon thread; ``url`` once started."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", lifespan="off", timeout_keep_alive=5
+        )
+        self.server = uvicorn.Server(config)
+        self.host = host
+        self.url = ""
+        self._thread = threading.Thread(target=self.server.run, name="engine-http", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"engine HTTP server did not start on {self.host}")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout_s)
+
+
+def serve_in_thread(engine: Any, settings: ServerSettings) -> HttpServerThread:
+    """Start serving ``engine`` on a thread of this process; returns once it listens."""
+    thread = HttpServerThread(build_app(engine, settings), settings.host, settings.port)
+    thread.start()
+    log.info("engine HTTP API at %s", thread.url)
+    return thread
+
+
+def serve_forever(engine: Any, settings: ServerSettings) -> None:
+    """Serve ``engine`` in the foreground until interrupted (``prefect-rl serve-engine``)."""
+    app = build_app(engine, settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_keep_alive=5)
+
+
+def serve_model(
+    model_path: str,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    weight_version: str = "0",
+    api_key: str | None = None,
+    allowed_roots: tuple[str, ...] = (),
+    gpu: bool = False,
+) -> None:
+    """Load ``model_path`` into an in-process embedded engine and serve it (no Ray)."""
+    from engines.config import EngineConfig
+    from engines.embedded import EmbeddedEngine
+
+    require_token(host, api_key)  # fail before the model loads
+    cfg = EngineConfig(num_gpus_per_engine=1.0 if gpu else 0.0)
+    engine = EmbeddedEngine(model_path, 0, cfg, weight_version=int(weight_version))
+    roots = (*allowed_roots, model_path)
+    serve_forever(engine, ServerSettings(host, port, api_key, roots))

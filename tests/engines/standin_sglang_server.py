@@ -1,0 +1,44 @@
+"""STAND-IN for ``python -m sglang.launch_server`` (SGLang needs CUDA; this machine has none).
+
+Takes the launch_server arguments the launcher passes (``--model-path``,
+``--host``, ``--port``, ``--tp-size``, ``--weight-version``,
+``--mem-fraction-static`` and any extras, which it ignores) and serves the
+embedded engine over the same HTTP protocol. It tests the launcher (command
+line, readiness wait, logs, stop), not SGLang itself. ``--exit-after-start``
+makes it exit with status 3 before serving, to test a failed launch;
+``--ignore-sigterm`` makes it ignore SIGTERM, to test the SIGKILL fallback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from engines.http_server import serve_model  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--weight-version", default="0")
+    ap.add_argument("--mem-fraction-static", type=float, default=None)
+    ap.add_argument("--exit-after-start", action="store_true")
+    ap.add_argument("--ignore-sigterm", action="store_true")
+    args, extra = ap.parse_known_args()
+    print(f"stand-in sglang server: {vars(args)} extra={extra}", flush=True)
+    if args.exit_after_start:
+        sys.exit(3)
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    serve_model(args.model_path, args.host, args.port, args.weight_version)
+
+
+if __name__ == "__main__":
+    main()

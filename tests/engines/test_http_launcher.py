@@ -1,0 +1,98 @@
+"""The SGLang launcher (engines.sglang) and HTTP served from inside engine actors.
+
+SGLang itself needs CUDA, so the launcher runs tests/engines/standin_sglang_server.py,
+a STAND-IN that takes launch_server's arguments and serves the embedded
+engine over the same protocol. What is tested is the launcher: the command
+line, the readiness wait, the log, a clean stop, death with the actor.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import ray
+
+from engines.client import EngineClient
+from engines.config import EngineConfig, SGLangConfig
+from engines.group import EngineGroup
+from engines.sglang import SGLangEngine
+
+STANDIN = str(Path(__file__).with_name("standin_sglang_server.py"))
+
+
+def _cfg(tmp_path, *flags: str, **kw) -> EngineConfig:
+    sc = SGLangConfig(
+        launch_command=[sys.executable, STANDIN, *flags],
+        log_dir=str(tmp_path),
+        startup_timeout_s=60,
+        extra_args=["--enable-foo"],
+        **kw,
+    )
+    return EngineConfig(kind="sglang", num_engines=1, health_timeout_s=60, sglang=sc)
+
+
+def _gone(pid: int, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_group_of_sglang_kind_runs_and_stops_standin(ray_cluster, tiny_dir, tiny_v1, tmp_path):
+    group = EngineGroup(f"test-{uuid.uuid4().hex[:8]}", _cfg(tmp_path), namespace="prefect-rl-test")
+    group.start(str(tiny_dir), weight_version=3)
+    try:
+        h = group.handle(0)
+        pid = ray.get(h.pid.remote())
+        log = ray.get(h.log_tail.remote())
+        assert "stand-in sglang server" in log and "--enable-foo" in log
+        assert "'weight_version': '3'" in log  # --weight-version reached the server
+        # The group drives it through the same Ray methods as an embedded engine.
+        out = group.generate_groups([[1, 5, 6]], 2, {"max_new_tokens": 4}, [[1, 2]])
+        assert len(out[0]) == 2 and {r["meta_info"]["weight_version"] for r in out[0]} == {"3"}
+        res = ray.get(h.update_weights_from_disk.remote("/etc", "4"))
+        assert not res["success"] and "allowed roots" in res["message"]
+        urls = group.start_http()
+        with EngineClient(urls[0]) as client:
+            assert client.health_generate() and client.get_weight_version() == "3"
+        # Killing the actor takes its server with it (parent-death signal).
+        ray.kill(h, no_restart=True)
+        assert _gone(pid), "the server outlived its actor"
+    finally:
+        group.shutdown()
+
+
+def test_embedded_actor_serves_http(engine_group, tiny_v1):
+    urls = engine_group.start_http(allowed_roots=[str(tiny_v1)])
+    assert set(urls) == {0, 1} and engine_group.urls() == urls
+    assert engine_group.start_http() == urls  # idempotent
+    for i in urls:
+        with engine_group.client(i) as client:
+            r = client.generate(input_ids=[1, 5], sampling_params={"max_new_tokens": 2})
+            assert r["meta_info"]["engine_id"] == i
+            version = client.get_weight_version()
+            # Ray and HTTP see one engine.
+            assert ray.get(engine_group.handle(i).get_weight_version.remote()) == version
+
+
+def test_launcher_stop_escalates_and_failed_launch_reports_log(tmp_path, tiny_dir):
+    eng = SGLangEngine(str(tiny_dir), 0, _cfg(tmp_path, "--ignore-sigterm", stop_timeout_s=1.0))
+    assert eng.client.health_generate() and eng.is_running()
+    t0 = time.monotonic()
+    assert eng.stop() == -9  # SIGTERM ignored: SIGKILL after stop_timeout_s
+    assert time.monotonic() - t0 >= 1.0 and not eng.is_running()
+    with pytest.raises(RuntimeError, match="exited with 3") as e:
+        SGLangEngine(str(tiny_dir), 1, _cfg(tmp_path, "--exit-after-start"))
+    assert "stand-in sglang server" in str(e.value)  # the log tail names the cause
+    assert os.path.exists(tmp_path / "engine-1.log")

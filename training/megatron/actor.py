@@ -1,0 +1,266 @@
+"""The train actor of ``train.backend: megatron``: same interface as ``TrainActor``.
+
+A ``TrainActor`` whose model is a megatron-core ``GPTModel`` (local spec, bf16
+through ``Float16Module``) behind ``HFView``, so old/reference logprobs,
+``score``, ``offload``/``onload`` and the shared GRPO loss are inherited
+unchanged. What differs: process groups (``parallel_state``), weight loading
+and export (through ``convert``), checkpoints (``training.megatron.checkpoint``)
+and the step, which slices data by the *data-parallel* rank (TP peers see the
+same rows), all-reduces gradients over the data-parallel group and clips with
+a norm that counts TP-sharded parameters across the TP group.
+
+Optimizer: ``torch.optim.AdamW`` (``foreach=False``), as the torch backend.
+Megatron's ``DistributedOptimizer`` needs its ``DistributedDataParallel``
+wrapper (contiguous ``main_grad`` buffers) and writes a per-rank sharded state
+that only ``dist_checkpointing`` reads back. At TP = PP = 1 on one GPU it buys
+nothing, while AdamW gives the same update maths and the same ``state_dict`` as
+the torch backend, so checkpoints are a plain ``torch.save``. AdamW is
+elementwise, so it is also correct on TP shards. What it leaves out: fp32
+master weights — with ``model.dtype: bfloat16`` the update is applied to bf16
+parameters, exactly as the torch backend does at that dtype.
+
+GPU only: megatron's forward needs CUDA (``setup`` refuses a CPU device).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+
+from rollout.types import RolloutBatch
+from training.actor import TrainActor, step_seed
+from training.batch import build_train_batch, micro_batches, rank_slice
+from training.export import manifest_dict, write_hf_weights
+from training.losses import grpo_loss
+from training.megatron import checkpoint as mcheckpoint
+from training.megatron.convert import spec_from_hf_config
+from training.megatron.model import (
+    HFView,
+    build_gpt,
+    check_layout,
+    full_hf_state,
+    init_parallel,
+    load_hf_state,
+    read_hf_state,
+    wrap,
+)
+
+
+class MegatronTrainActor(TrainActor):
+    # -- lifecycle ---------------------------------------------------------
+    def setup(self) -> None:
+        """Threads, determinism, torch.distributed and megatron's parallel_state."""
+        if self.device.type != "cuda":
+            raise ValueError(
+                "train.backend: megatron needs CUDA (megatron-core's forward does not run on "
+                "CPU); set train.num_gpus_per_worker: 1 on a GPU machine, or use train.backend: torch"
+            )
+        torch.set_num_threads(self.cfg.torch_threads)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        mc = self.cfg.megatron
+        init_parallel(
+            self.rank,
+            self.world_size,
+            self.master_addr,
+            self.master_port,
+            mc.tensor_parallel,
+            mc.pipeline_parallel,
+            self.seed,
+            self.device,
+        )
+        from megatron.core import parallel_state as ps
+
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+
+    def _build(self, hf_cfg: Any, hf_state: dict[str, torch.Tensor]) -> HFView:
+        mc = self.cfg.megatron
+        gpt = build_gpt(
+            hf_cfg, self.model_cfg.dtype, mc.tensor_parallel, mc.pipeline_parallel, self.device
+        )
+        view = wrap(gpt, hf_cfg, self.model_cfg.dtype)
+        load_hf_state(gpt, hf_state, self.tp, self.tp_rank)
+        return view
+
+    def init_from_base(self, model_path: str) -> int:
+        """Build the megatron model (+ frozen reference when kl_coef > 0) and AdamW."""
+        hf_cfg = AutoConfig.from_pretrained(model_path)
+        mc = self.cfg.megatron
+        check_layout(
+            self.world_size, mc.tensor_parallel, mc.pipeline_parallel, spec_from_hf_config(hf_cfg)
+        )
+        hf_state = read_hf_state(model_path)
+        self.model = self._build(hf_cfg, hf_state)
+        if self.cfg.loss.kl_coef > 0:
+            self.ref_model = self._build(hf_cfg, hf_state)
+            self.ref_model.requires_grad_(False).eval()
+        self.optim = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.cfg.lr,
+            weight_decay=self.cfg.weight_decay,
+            foreach=False,  # one fixed per-parameter update order
+        )
+        pad = getattr(hf_cfg, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else 0
+        self.base_model_path = model_path
+        self._iteration = 0
+        return 0
+
+    def load_checkpoint(self, k: int) -> int:
+        self._require_model()
+        meta = mcheckpoint.load(self.store(), k, self.model.gpt, self.optim)
+        self._iteration = int(meta["iteration"])
+        return self._iteration
+
+    def save_checkpoint(self, k: int, meta_extra: dict | None = None) -> dict | None:
+        """Collective. Rank 0 commits ``checkpoints/iter_k`` and returns its meta."""
+        self._require_at(k, "save_checkpoint")
+        store = self.store()
+        if k in store.committed_checkpoints():  # committed checkpoints are never rewritten
+            return store.read_checkpoint_meta(k) if self.rank == 0 else None
+        meta = {"iteration": k, "weights_version": k, "seed": self.seed, **(meta_extra or {})}
+        meta["world_size"] = self.world_size
+        return mcheckpoint.save(store, k, self.model.gpt, self.optim, meta)
+
+    def export_hf(self, version: int, iteration: int, parent: int | None) -> dict | None:
+        """Collective. Rank 0 publishes ``weights/v{version}`` as plain HF safetensors."""
+        self._require_model()
+        store = self.store()
+        if version in store.committed_versions():  # a committed version is never rewritten
+            if self.rank != 0:
+                return None
+            manifest = manifest_dict(store.read_manifest(version))
+            names = [f["name"] for f in manifest["files"]]
+            return {
+                "version": version,
+                "iteration": manifest["iteration"],
+                "parent": manifest["parent"],
+                "files": names,
+                "manifest": manifest,
+                "shards": sum(n.endswith(".safetensors") for n in names),
+                "reused": True,
+            }
+        state = full_hf_state(self.model.gpt, self.tp)  # HF names; no lm_head when tied
+        if self.rank != 0:
+            return None
+        writer = store.weights_writer(version, iteration, parent)
+        written = write_hf_weights(writer, state, self.weights_cfg.shard_size, self.base_model_path)
+        manifest = manifest_dict(writer.commit())
+        return {
+            "version": version,
+            "iteration": iteration,
+            "parent": parent,
+            **written,
+            "manifest": manifest,
+        }
+
+    # -- training ----------------------------------------------------------
+    def train_step(self, k: int) -> dict[str, float]:
+        """One optimizer step on rollouts ``k``; requires trainer state ``k - 1``."""
+        self._require_at(k - 1, f"train_step({k})")
+        t0 = time.perf_counter()
+        data = self.store().read_rollouts(k)
+        if data is None:
+            raise FileNotFoundError(
+                f"no persisted rollouts for iteration {k} in run {self.run_name!r}; "
+                f"run rollout({k}) before train({k})"
+            )
+        full = build_train_batch(RolloutBatch.from_json(data), self.pad_id)
+        start, end = rank_slice(full.size, self.dp_rank, self.dp_size)
+        mbs = micro_batches(full.rows(start, end), self.cfg.micro_batch_size)
+        torch.manual_seed(step_seed(self.seed, k, self.dp_rank))  # TP peers draw alike
+        old, ref = self._reference_logprobs(mbs)
+        sums = self._accumulate(mbs, old, ref, full.num_tokens)
+        grad_norm = self._reduce_and_clip()
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        self._iteration = k
+        torch.cuda.synchronize()
+        return self._metrics(sums, grad_norm, full, time.perf_counter() - t0)
+
+    def _accumulate(self, mbs: list, old: list, ref: list, global_tokens: int) -> torch.Tensor:
+        """Forward/backward each micro-batch with the shared GRPO loss; summed metrics
+        all-reduced over the data-parallel group."""
+        from training.backend_torch import token_logprobs
+
+        lc = self.cfg.loss
+        self.model.train()
+        self.optim.zero_grad(set_to_none=True)
+        denom = max(global_tokens, 1) / self.dp_size  # gradients are averaged over DP below
+        sums = torch.zeros(7, dtype=torch.float64)
+        for i, mb in enumerate(mbs):
+            mb = self._to_device(mb)
+            lp, ent = token_logprobs(
+                self.model,
+                mb.input_ids,
+                mb.attention_mask,
+                with_entropy=True,
+                entropy_grad=lc.entropy_coef > 0,
+            )
+            loss, m = grpo_loss(
+                lp,
+                old[i],
+                mb.advantages,
+                mb.loss_mask,
+                lc.clip_eps,
+                ref_logprobs=ref[i] if ref else None,
+                kl_coef=lc.kl_coef,
+                entropy=ent,
+                entropy_coef=lc.entropy_coef,
+                num_tokens=denom,
+            )
+            loss.backward()
+            n = float(mb.loss_mask.sum())
+            diff = float(((old[i] - mb.rollout_logprobs).abs() * mb.loss_mask).sum())
+            row = [
+                float(loss.detach()) / self.dp_size,
+                m["pg_loss"] * n,
+                m["clip_frac"] * n,
+                m.get("kl", 0.0) * n,
+                m.get("entropy", 0.0) * n,
+                diff,
+                n,
+            ]
+            sums += torch.tensor(row, dtype=torch.float64)
+        if self.dp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            dev = sums.to(self.device)
+            dist.all_reduce(dev, group=ps.get_data_parallel_group())
+            sums = dev.cpu()
+        return sums
+
+    def _reduce_and_clip(self) -> float:
+        """Average gradients over DP, then clip by the global norm: TP-sharded
+        parameters (megatron marks them ``tensor_model_parallel``) are summed over
+        the TP group, replicated ones (norms) counted once. Returns the norm."""
+        from megatron.core import parallel_state as ps
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.dp_size > 1:
+            group = ps.get_data_parallel_group()
+            for p in params:  # fixed order on every rank
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(self.dp_size)
+        sharded = torch.zeros((), dtype=torch.float32, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in params:
+            sq = p.grad.float().pow(2).sum()
+            if getattr(p, "tensor_model_parallel", False) and self.tp > 1:
+                sharded += sq
+            else:
+                replicated += sq
+        if self.tp > 1:
+            dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
+        norm = float((sharded + replicated).sqrt())
+        coef = self.cfg.grad_clip / (norm + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+        return norm

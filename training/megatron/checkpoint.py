@@ -1,0 +1,112 @@
+"""Megatron-backend checkpoints in the run store (same commit rule as ``training.checkpoint``).
+
+File set of ``checkpoints/iter_k`` (written by global rank 0 through the
+store's checkpoint writer, COMMIT last):
+
+- ``model.safetensors``: the full model in **HF names** (TP shards gathered and
+  converted back). Conversion is exact, so this is the same file the torch
+  backend writes, and restoring under another TP size re-splits it.
+- ``optim.pt``: ``torch.save`` of ``{"tensor_parallel": tp, "ranks": [AdamW
+  state_dict of TP rank 0, 1, ...]}`` from data-parallel replica 0 (the other
+  replicas hold the same state). The optimizer state is per TP shard, so a
+  restore needs the same ``tensor_parallel``.
+- ``rng.pt``: torch/python/CUDA RNG (``training.checkpoint.rng_state``) plus
+  megatron's model-parallel CUDA RNG tracker states.
+
+Never decides which checkpoint to restore; the train group does.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from training.checkpoint import MODEL_FILE, OPTIM_FILE, RNG_FILE, rng_state, set_rng_state
+from training.export import tensor_entry
+from training.megatron.model import full_hf_state, load_hf_state
+
+
+def _tp() -> tuple[int, int, int]:
+    """(tp size, tp rank, dp rank) of this process."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_data_parallel_rank(),
+    )
+
+
+def _tracker_states() -> dict:
+    if not torch.cuda.is_available():
+        return {}
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return get_cuda_rng_tracker().get_states()
+
+
+def save(
+    store: Any, k: int, gpt: torch.nn.Module, optim: torch.optim.Optimizer, meta: dict
+) -> dict | None:
+    """Write checkpoint ``k``. Collective over all ranks; global rank 0 writes,
+    commits and returns ``meta``, the others return None."""
+    tp, tp_rank, dp_rank = _tp()
+    model_sd = full_hf_state(gpt, tp)
+    optim_sd = optim.state_dict()
+    if dist.get_world_size() > 1:
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (dp_rank, tp_rank, optim_sd if dp_rank == 0 else None))
+        per_tp = {r: sd for d, r, sd in every if d == 0}
+        optim_ranks = [per_tp[r] for r in range(tp)]
+    else:
+        optim_ranks = [optim_sd]
+    if dist.get_rank() != 0:
+        return None
+    from storage.safetensors_io import write_safetensors
+
+    writer = store.checkpoint_writer(k)
+    with writer.open(MODEL_FILE) as f:
+        write_safetensors(f, [tensor_entry(n, t) for n, t in model_sd.items()], {"format": "pt"})
+    rng = {**rng_state(), "megatron_cuda_tracker": _tracker_states()}
+    for name, obj in ((OPTIM_FILE, {"tensor_parallel": tp, "ranks": optim_ranks}), (RNG_FILE, rng)):
+        buf = io.BytesIO()  # the store's stream need not be seekable
+        torch.save(obj, buf)
+        with writer.open(name) as f:
+            f.write(buf.getvalue())
+    meta = {**meta, "backend": "megatron", "tensor_parallel": tp}
+    writer.commit(meta)
+    return meta
+
+
+def load(store: Any, k: int, gpt: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
+    """Load checkpoint ``k`` into this rank's model shard and optimizer; returns its meta."""
+    import safetensors.torch
+
+    tp, tp_rank, _ = _tp()
+    meta = store.read_checkpoint_meta(k)
+    with store.open_checkpoint_file(k, MODEL_FILE) as f:
+        load_hf_state(gpt, safetensors.torch.load(f.read()), tp, tp_rank)
+    with store.open_checkpoint_file(k, OPTIM_FILE) as f:
+        optim_sd = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False)
+    if not isinstance(optim_sd, dict) or "ranks" not in optim_sd:
+        raise ValueError(
+            f"checkpoint {k} was not written by the megatron backend; resume it with "
+            "train.backend: torch (train.backend is fixed for a run)"
+        )
+    if optim_sd["tensor_parallel"] != tp:
+        raise ValueError(
+            f"checkpoint {k} has optimizer state for tensor_parallel={optim_sd['tensor_parallel']}; "
+            f"resume with train.megatron.tensor_parallel: {optim_sd['tensor_parallel']}"
+        )
+    optim.load_state_dict(optim_sd["ranks"][tp_rank])
+    with store.open_checkpoint_file(k, RNG_FILE) as f:
+        rng = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False)
+    set_rng_state(rng)
+    if rng.get("megatron_cuda_tracker") and torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states(rng["megatron_cuda_tracker"])
+    return meta
