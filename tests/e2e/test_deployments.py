@@ -149,7 +149,7 @@ def test_maintenance_deployments_and_rollback(stack, client, finished_run):
 @pytest.mark.parametrize(
     "deployment, params, message",
     [
-        ("gc-versions/gc-versions", {"run_name": "e2e", "keep_last": 0}, "greater than or equal to 1"),
+        ("gc-versions/gc-versions", {"run_name": "e2e", "keep_last": 0}, "less than the minimum of 1"),
         ("verify-engines/verify-engines", {"run_name": "no-such-run"}, "no run 'no-such-run'"),
         ("reload-engines/reload-engines", {"run_name": "e2e", "version": 99}, "version 99 of run 'e2e' is not committed"),
     ],

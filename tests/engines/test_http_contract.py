@@ -96,6 +96,7 @@ def test_generate_text_stop_and_zero_tokens(client):
     r = client.generate(text="ab", sampling_params={"max_new_tokens": 40, "ignore_eos": True})
     assert r["meta_info"]["prompt_tokens"] >= 2 and isinstance(r["text"], str)
     stop = r["text"][3:5]  # a stop string that this seed's completion reaches
+    assert stop, "the completion is long enough to hold a stop string"
     if stop:
         seed = {"sampling_seed": 11}
         full = client.generate(

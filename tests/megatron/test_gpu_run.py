@@ -52,13 +52,14 @@ def test_tiny_rl_run_with_megatron_backend(ray_gpu, tmp_path):
     ctx, rows, secs = run_plain(cfg(2), quiet=True)
     print(f"\nRL RUN megatron: {len(rows)} iterations in {secs:.1f}s")
     for r in rows:
-        print(
-            {k: r.get(k) for k in ("iteration", "loss", "reward_mean", "grad_norm", "tokens_per_s")}
-        )
+        print({k: r.get(k) for k in ("iteration", "loss", "reward_mean", "train_tokens_per_s")})
     assert [r["iteration"] for r in rows] == [1, 2]
     assert ctx.store.committed_versions() == [0, 1, 2]
     assert ctx.store.committed_checkpoints() == [1, 2]
-    assert any(s.startswith("verify") for s in ctx.store.committed_steps(2))
+    # run_plain raises VersionMismatch if verify fails; check once more, explicitly
+    from tasks import steps
+
+    assert steps.verify_engine(ctx, 2, 0)["verified"] is True
     # kill the train ranks; iteration 3 must restore checkpoint 2 through the megatron loader
     ctx.trainer().release()
     ctx3, rows3, _ = run_plain(cfg(3), quiet=True)
