@@ -42,34 +42,52 @@ def kill_engine(group, engine_id: int) -> None:
         ray.kill(handle, no_restart=True)
 
 
-def served_version(group, engine_id: int) -> str | None:
-    handle = group.handle(engine_id)
-    if handle is None:
+def allowed_roots(ctx) -> list[str]:
+    """Where engines may load weights from: the run's local version folders and the cache."""
+    roots = [os.path.dirname(cache_dir(ctx))]
+    local = ctx.store.local_version_dir(0)
+    if local is not None:
+        roots.append(os.path.dirname(local))
+    return roots
+
+
+def engine_client(ctx, group, engine_id: int):
+    """The SGLang HTTP client of one engine; starts its HTTP server if it has none.
+
+    Reload and verify speak the same HTTP protocol to embedded and SGLang engines.
+    """
+    if engine_id not in group.urls():
+        group.start_http(allowed_roots=allowed_roots(ctx))
+    return group.client(engine_id)
+
+
+def served_version(ctx, group, engine_id: int) -> str | None:
+    """The version engine ``engine_id`` reports on /model_info; None if it is down."""
+    if group.handle(engine_id) is None:
         return None
     try:
-        return ray.get(handle.get_weight_version.remote(), timeout=60)
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        with engine_client(ctx, group, engine_id) as client:
+            return client.get_weight_version()
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, OSError, RuntimeError) as e:
+        log.warning("engine %d does not answer: %s", engine_id, e)
         return None
 
 
 def ensure_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool = False) -> None:
-    """Bring engine ``engine_id`` to version v: restart it if dead, else pause,
-    update from disk, continue. Loading the same version twice is harmless."""
+    """Bring engine ``engine_id`` to version v over its HTTP API: restart it if
+    dead, else pause, update from disk, continue. Loading a version twice is harmless."""
     path = version_path(ctx, v)
     if not group.is_alive(engine_id):
         log.warning("engine %d is not alive; restarting it on v%d", engine_id, v)
         group.restart(engine_id, path, v)
-    elif force_reload or served_version(group, engine_id) != str(v):
-        handle = group.handle(engine_id)
-        mode = ctx.cfg.engines.pause_mode
+    elif force_reload or served_version(ctx, group, engine_id) != str(v):
         flush = v % ctx.cfg.weights.flush_cache_interval == 0
-        ray.get(handle.pause_generation.remote(mode))
-        try:
-            reply = ray.get(
-                handle.update_weights_from_disk.remote(path, str(v), flush_cache=flush)
-            )
-        finally:
-            ray.get(handle.continue_generation.remote())
+        with engine_client(ctx, group, engine_id) as client:
+            client.pause_generation(ctx.cfg.engines.pause_mode)
+            try:
+                reply = client.update_weights_from_disk(path, weight_version=str(v), flush_cache=flush)
+            finally:
+                client.continue_generation()
         if not reply.get("success"):
             raise RuntimeError(f"engine {engine_id} refused v{v} from {path}: {reply.get('message')}")
     ctx.store.record_serving(engine_id, v)

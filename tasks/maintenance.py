@@ -24,7 +24,7 @@ def point_engine(ctx: RunContext, version: int, engine_id: int) -> dict[str, Any
 @task(name="check_engine", task_run_name="{ctx.run_name}:check[engine={engine_id},v={version}]",
       cache_policy=NO_CACHE)
 def check_engine(ctx: RunContext, version: int, engine_id: int, upstream: Any = None) -> dict[str, Any]:
-    served = served_version(ctx.engines(), engine_id)
+    served = served_version(ctx, ctx.engines(), engine_id)
     if served != str(version):
         raise VersionMismatch(
             f"engine {engine_id} serves {served!r}, expected {str(version)!r}; "

@@ -220,7 +220,7 @@ def verify_engine(ctx, k: int, engine_id: int) -> dict[str, Any]:
     if not group.is_alive(engine_id):
         log.warning("engine %d is dead at verify[k=%d]; restarting it on v%d", engine_id, k, v)
         group.restart(engine_id, version_path(ctx, v), v)
-    served = served_version(group, engine_id)
+    served = served_version(ctx, group, engine_id)
     if served != str(v):
         raise VersionMismatch(
             f"engine {engine_id} serves weight version {served!r}, expected {str(v)!r} after "
