@@ -3,9 +3,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+
+# pip is silent when it succeeds and prints its whole log when it fails.
+pip_quiet() {
+    local log
+    log=$(mktemp)
+    if ! .venv/bin/pip "$@" >"$log" 2>&1; then
+        cat "$log" >&2
+        rm -f "$log"
+        return 1
+    fi
+    rm -f "$log"
+}
+
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/pip install -q --upgrade pip
+pip_quiet install --upgrade pip
 # torch first, pinned: this takes the CPU wheel on disk instead of a multi-GB CUDA build.
-.venv/bin/pip install -q "torch==2.13.0"
+pip_quiet install "torch==2.13.0"
 # one pip command for s3fs and moto[server]: installed apart, botocore leaves aiobotocore's pin.
-.venv/bin/pip install -q -e ".[dev]"
+pip_quiet install -e ".[dev]"
+echo "setup: $(.venv/bin/python -c 'import torch, ray, prefect; print(f"torch {torch.__version__}, ray {ray.__version__}, prefect {prefect.__version__}")')"
