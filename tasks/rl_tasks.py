@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks import steps
@@ -20,6 +20,13 @@ from tasks.context import RunContext
 # ``upstream`` is the result of the step before. Passing it as a parameter (not
 # only as wait_for) lets Ray itself hold a task until its upstream finished, so
 # a task never occupies a Ray worker while it waits; it is not part of any key.
+
+
+def _logged(step: str, result: dict[str, Any]) -> dict[str, Any]:
+    """Log the step's summary to the task run's log (shown in the UI)."""
+    shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items() if k != "example"}
+    get_run_logger().info("%s: %s", step, shown)
+    return result
 
 
 def _ledger_key(step: str):
@@ -33,22 +40,22 @@ def _ledger_key(step: str):
 
 @task(name="rollout", task_run_name="{ctx.run_name}:rollout[k={k}]", cache_key_fn=_ledger_key("rollout"))
 def rollout(ctx: RunContext, k: int) -> dict[str, Any]:
-    return steps.rollout(ctx, k)
+    return _logged("rollout", steps.rollout(ctx, k))
 
 
 @task(name="train", task_run_name="{ctx.run_name}:train[k={k}]", cache_key_fn=_ledger_key("train"))
 def train(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, Any]:
-    return steps.train(ctx, k)
+    return _logged("train", steps.train(ctx, k))
 
 
 @task(name="save_checkpoint", task_run_name="{ctx.run_name}:save[k={k}]", cache_key_fn=_ledger_key("save"))
 def save_checkpoint(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, Any]:
-    return steps.save_checkpoint(ctx, k)
+    return _logged("save_checkpoint", steps.save_checkpoint(ctx, k))
 
 
 @task(name="publish_weights", task_run_name="{ctx.run_name}:publish[k={k}]", cache_key_fn=_ledger_key("publish"))
 def publish_weights(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, Any]:
-    return steps.publish_weights(ctx, k)
+    return _logged("publish_weights", steps.publish_weights(ctx, k))
 
 
 @task(
@@ -57,15 +64,15 @@ def publish_weights(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, 
     cache_key_fn=_ledger_key("reload"),
 )
 def reload_engine(ctx: RunContext, k: int, engine_id: int, upstream: Any = None) -> dict[str, Any]:
-    return steps.reload_engine(ctx, k, engine_id)
+    return _logged("reload_engine", steps.reload_engine(ctx, k, engine_id))
 
 
 # Verify is never cached: it must look at what the engines serve now.
 @task(name="verify_engine", task_run_name="{ctx.run_name}:verify[k={k},engine={engine_id}]", cache_policy=NO_CACHE)
 def verify_engine(ctx: RunContext, k: int, engine_id: int, upstream: Any = None) -> dict[str, Any]:
-    return steps.verify_engine(ctx, k, engine_id)
+    return _logged("verify_engine", steps.verify_engine(ctx, k, engine_id))
 
 
 @task(name="finish_iteration", task_run_name="{ctx.run_name}:finish[k={k}]", cache_key_fn=_ledger_key("iteration"))
 def finish_iteration(ctx: RunContext, k: int, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return steps.finish_iteration(ctx, k, results)
+    return _logged("finish_iteration", steps.finish_iteration(ctx, k, results))
