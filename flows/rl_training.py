@@ -93,8 +93,11 @@ def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
         iteration = rl_iteration.with_options(task_runner=RayTaskRunner(address=cfg.ray.address))
         progress = artifacts.start_progress(cfg.run.name, start - 1, total)
         step_seconds: dict[str, float] = {}
+        seconds: list[float] = []
         for k in range(start, total + 1):
+            t_iter = time.perf_counter()
             out = iteration(ctx, k)
+            seconds.append(time.perf_counter() - t_iter)
             rows.append(out["row"])
             for step, result in out.items():
                 if isinstance(result, dict) and "step_s" in result:
@@ -111,7 +114,12 @@ def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
                 ctx.engines().shutdown()
     text = summary(rows, ctx.store.url, ctx.store.committed_versions(), time.perf_counter() - t0)
     print(text)
-    return {"run": cfg.run.name, "iterations": [r["iteration"] for r in rows], "summary": text}
+    return {
+        "run": cfg.run.name,
+        "iterations": [r["iteration"] for r in rows],
+        "seconds": seconds if rows else [],
+        "summary": text,
+    }
 
 
 def continued(cfg: RunConfig, extra: int) -> RunConfig:
