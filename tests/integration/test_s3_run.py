@@ -4,31 +4,17 @@ engine's local cache, reloaded, and verified."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from flows.config import ConfigError, load_config
 from flows.driver import run_plain
-
-
-def _s3_server():
-    if "s3_server" not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "s3_server.py"
-        spec = importlib.util.spec_from_file_location("s3_server", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["s3_server"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["s3_server"]
+from tests.s3_server import make_bucket, moto_s3
 
 
 @pytest.fixture(scope="module")
 def s3_url():
-    s3 = _s3_server()
-    with s3.moto_s3() as url:
-        s3.make_bucket(url, "rl-runs")
+    with moto_s3() as url:
+        make_bucket(url, "rl-runs")
         yield url
 
 
