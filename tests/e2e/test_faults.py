@@ -5,6 +5,7 @@ committed record is lost or duplicated."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from flows.config import load_config
 from flows.driver import run_plain
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 ITERATIONS = 6
 # One step per iteration; save is due at even iterations (save_interval 2).
+BASE = "configs/tiny-cpu.yaml"  # every run here: this file plus overrides
 PLAN = {"rollout": 1, "save": 2, "train": 3, "publish": 4, "reload": 5, "verify": 6}
 
 
@@ -58,7 +59,7 @@ def assert_records_complete(store) -> None:
 
 @pytest.fixture(scope="module")
 def reference(ray_cluster, tmp_path_factory) -> dict[str, str]:
-    cfg = load_config(None, overrides(tmp_path_factory.mktemp("ref"), "ref"))
+    cfg = load_config(BASE, overrides(tmp_path_factory.mktemp("ref"), "ref"))
     ctx, _, _ = run_plain(cfg, quiet=True)
     return final_weights(ctx.store)
 
@@ -69,12 +70,11 @@ def test_retries_heal_every_step(ray_cluster, prefect_api, reference, tmp_path, 
 
     faults = [{"step": s, "iteration": k, "kind": kind} for s, k in PLAN.items()]
     over = overrides(tmp_path, f"faults-{kind.replace('_', '-')}", faults)
-    state = rl_training(TrainingParams(config_path="configs/tiny-cpu.yaml", overrides=over), return_state=True)
+    state = rl_training(TrainingParams(config_path=BASE, overrides=over), return_state=True)
     assert state.is_completed(), state
-    store = load_config("configs/tiny-cpu.yaml", over)
     from storage.run_store import RunStore
 
-    store = RunStore(store.storage, over["run.name"])
+    store = RunStore(load_config(BASE, over).storage, over["run.name"])
     fired = sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(f"{store.url}/faults"))
     assert len(fired) == len(PLAN), fired  # every fault really fired
     assert final_weights(store) == reference
@@ -84,17 +84,10 @@ def test_retries_heal_every_step(ray_cluster, prefect_api, reference, tmp_path, 
 def test_sigkilled_flow_process_resumes(prefect_api, reference, tmp_path):
     faults = [{"step": s, "iteration": k, "kind": "sigkill"} for s, k in PLAN.items()]
     over = overrides(tmp_path, "faults-sigkill", faults)
-    data: dict = {}
-    for key, value in over.items():
-        node = data
-        *head, last = key.split(".")
-        for part in head:
-            node = node.setdefault(part, {})
-        node[last] = value
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(data))
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
-    cli = [str(Path(sys.executable).parent / "prefect-rl"), "run", str(config)]
+    cli = [str(Path(sys.executable).parent / "prefect-rl"), "run", BASE]
+    for key, value in over.items():
+        cli += ["--set", f"{key}={json.dumps(value)}"]  # JSON is YAML
     codes = []
     for _ in range(len(PLAN) + 2):
         out = subprocess.run(cli, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -106,7 +99,6 @@ def test_sigkilled_flow_process_resumes(prefect_api, reference, tmp_path):
     assert codes == [-9] * len(PLAN) + [0], codes
     from storage.run_store import RunStore
 
-    cfg = load_config(config)
-    store = RunStore(cfg.storage, cfg.run.name)
+    store = RunStore(load_config(BASE, over).storage, over["run.name"])
     assert final_weights(store) == reference
     assert_records_complete(store)
