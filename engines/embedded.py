@@ -47,6 +47,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engines.config import EngineConfig
 from engines.decode import Row, decode
+from engines.memory_updates import InMemoryUpdates
 from engines.sampling import make_generator
 from engines.types import GenerateResult, PauseMode, SamplingParams, UpdateWeightsResult
 from engines.weights import WeightLoadError, check_state_dict, load_into, read_state_dict
@@ -84,7 +85,7 @@ class _Call:
     rids: list[str] | None = None  # request ids, for abort_request(rid)
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(InMemoryUpdates):
     """One rollout engine replica; see the module docstring for semantics."""
 
     def __init__(

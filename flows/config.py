@@ -91,9 +91,10 @@ class RunConfig(BaseModel):
                 "within a group of samples of one prompt"
             )
         remote = "://" in self.storage.root and not self.storage.root.startswith("file://")
-        if self.weights.transport == "disk" and remote:
+        if self.weights.transport in ("disk", "tensor", "distributed") and remote:
             raise ValueError(
-                f"weights.transport 'disk' needs a local storage.root, got {self.storage.root!r}; "
+                f"weights.transport {self.weights.transport!r} needs a local storage.root, "
+                f"got {self.storage.root!r}; "
                 "set weights.transport: object-store to publish to object storage"
             )
         if self.weights.transport == "object-store" and not remote:

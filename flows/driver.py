@@ -32,7 +32,12 @@ def run_iteration(ctx: RunContext, k: int) -> dict[str, Any]:
     return steps.finish_iteration(ctx, k, results)
 
 
-def run_plain(cfg: RunConfig, quiet: bool = False) -> tuple[RunContext, list[dict[str, Any]], float]:
+def run_plain(
+    cfg: RunConfig, quiet: bool = False, keep_actors: bool = False
+) -> tuple[RunContext, list[dict[str, Any]], float]:
+    """Run the remaining iterations. At the end the actors are shut down, as
+    ``rl_training`` does (engines stay up on a persistent cluster), unless
+    ``keep_actors``."""
     ctx = prepare_run(cfg)
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -41,4 +46,8 @@ def run_plain(cfg: RunConfig, quiet: bool = False) -> tuple[RunContext, list[dic
             rows.append(run_iteration(ctx, k))
             if not quiet:
                 print(iteration_line(rows[-1], cfg.run.iterations), flush=True)
+    if not keep_actors:
+        ctx.trainer().shutdown()
+        if cfg.ray.address is None:
+            ctx.engines().shutdown()
     return ctx, rows, time.perf_counter() - t0

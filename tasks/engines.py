@@ -22,6 +22,20 @@ def expected_version(ctx, k: int) -> int:
     return max(versions)
 
 
+IN_MEMORY = ("tensor", "distributed")
+
+
+def in_memory(ctx) -> bool:
+    """True when weights go from the trainer straight to the engines (tensor/distributed)."""
+    return ctx.cfg.weights.transport in IN_MEMORY
+
+
+def target_version(ctx, k: int) -> int:
+    """The version engines serve after iteration k: k itself with an in-memory
+    transport (trainer state k is pushed), else the newest committed one <= k."""
+    return k if in_memory(ctx) else expected_version(ctx, k + 1)
+
+
 def cache_dir(ctx) -> str:
     base = ctx.cfg.engines.local_cache_dir or os.path.expanduser("~/.cache/prefect-rl")
     return os.path.join(base, ctx.run_name, "weights")
@@ -76,6 +90,8 @@ def served_version(ctx, group, engine_id: int) -> str | None:
 def ensure_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool = False) -> None:
     """Bring engine ``engine_id`` to version v over its HTTP API: restart it if
     dead, else pause, update from disk, continue. Loading a version twice is harmless."""
+    if in_memory(ctx):
+        return push_engine_serves(ctx, group, engine_id, v, force_reload)
     path = version_path(ctx, v)
     if not group.is_alive(engine_id):
         log.warning("engine %d is not alive; restarting it on v%d", engine_id, v)
@@ -91,6 +107,57 @@ def ensure_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool 
         if not reply.get("success"):
             raise RuntimeError(f"engine {engine_id} refused v{v} from {path}: {reply.get('message')}")
     ctx.store.record_serving(engine_id, v)
+
+
+def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) -> None:
+    """In-memory transports: bring engine ``engine_id`` to version v by pushing
+    trainer state v into it. A dead engine is first restarted on the newest
+    committed version <= v from disk; a version already on disk that the trainer
+    no longer holds is loaded from disk (as the disk transport does)."""
+    committed = [c for c in ctx.store.committed_versions() if c <= v]
+    if not group.is_alive(engine_id):
+        base = max(committed)
+        log.warning("engine %d is not alive; restarting it on v%d, then pushing v%d", engine_id, base, v)
+        group.restart(engine_id, version_path(ctx, base), base)
+    if force or served_version(ctx, group, engine_id) != str(v):
+        trainer = ctx.trainer()
+        if v in committed and trainer.iteration() != v:
+            _disk_reload(ctx, group, engine_id, v)
+        else:
+            trainer.ensure_state(v, ctx.base_model_path)
+            _push(ctx, group, trainer, engine_id, v)
+    ctx.store.record_serving(engine_id, v)
+
+
+def _disk_reload(ctx, group, engine_id: int, v: int) -> None:
+    path = version_path(ctx, v)
+    flush = v % ctx.cfg.weights.flush_cache_interval == 0
+    with engine_client(ctx, group, engine_id) as client:
+        client.pause_generation(ctx.cfg.engines.pause_mode)
+        try:
+            reply = client.update_weights_from_disk(path, weight_version=str(v), flush_cache=flush)
+        finally:
+            client.continue_generation()
+    if not reply.get("success"):
+        raise RuntimeError(f"engine {engine_id} refused v{v} from {path}: {reply.get('message')}")
+
+
+def _push(ctx, group, trainer, engine_id: int, v: int) -> dict:
+    """Pause (in place), push trainer state v over the in-memory transport, continue.
+    The cache is flushed with the last bucket every flush_cache_interval versions."""
+    w = ctx.cfg.weights
+    engine = group.handle(engine_id)
+    flush = v % w.flush_cache_interval == 0
+    ray.get(engine.pause_generation.remote(ctx.cfg.engines.pause_mode))
+    try:
+        ray.get(engine.begin_weight_update.remote())
+        out = trainer.push_weights(
+            engine, w.transport, w.bucket_bytes, flush, group_name=f"{ctx.run_name}-wu-e{engine_id}"
+        )
+        ray.get(engine.end_weight_update.remote())
+    finally:
+        ray.get(engine.continue_generation.remote())
+    return out
 
 
 def kill_train_rank0(trainer) -> None:

@@ -18,10 +18,11 @@ from rollout.seeding import sample_seed
 from rollout.types import RolloutBatch, Sample
 from tasks.engines import (
     ensure_engine_serves,
-    expected_version,
+    in_memory,
     kill_engine,
     kill_train_rank0,
     served_version,
+    target_version,
     version_path,
 )
 from tasks.faults import maybe_fail
@@ -49,7 +50,7 @@ def rollout(ctx, k: int) -> dict[str, Any]:
         saved = store.read_rollouts(k)
         if saved is not None:  # generated before a crash: replay, never regenerate
             return _rollout_summary(RolloutBatch.from_json(saved), reused=True)
-        v = expected_version(ctx, k)
+        v = target_version(ctx, k - 1)
         group = ctx.engines()
         for i in range(cfg.engines.num_engines):
             ensure_engine_serves(ctx, group, i, v)
@@ -77,8 +78,12 @@ def _generate(ctx, group, k: int, v: int) -> RolloutBatch:
     t0 = time.perf_counter()
     # A dead engine is restarted on the version this rollout needs, and its
     # groups are regenerated whole, so no group mixes versions.
-    path = version_path(ctx, v)
-    groups = group.generate_groups(prompt_ids, n, sampling, seeds, restart_fn=lambda i: group.restart(i, path, v))
+    if in_memory(ctx):
+        restart = lambda i: ensure_engine_serves(ctx, group, i, v)  # noqa: E731
+    else:
+        path = version_path(ctx, v)
+        restart = lambda i: group.restart(i, path, v)  # noqa: E731
+    groups = group.generate_groups(prompt_ids, n, sampling, seeds, restart_fn=restart)
     gen_s = time.perf_counter() - t0
     samples: list[Sample] = []
     for p, ids, outs in zip(prompts, prompt_ids, groups):
@@ -202,7 +207,7 @@ def publish_weights(ctx, k: int) -> dict[str, Any]:
 
 def reload_engine(ctx, k: int, engine_id: int) -> dict[str, Any]:
     def work() -> dict[str, Any]:
-        v = expected_version(ctx, k + 1)  # the newest committed version <= k
+        v = target_version(ctx, k)  # disk: the newest committed version <= k
         group = ctx.engines()
         maybe_fail(ctx, "reload", k, kill=lambda: kill_engine(group, engine_id))
         t0 = time.perf_counter()
@@ -214,12 +219,15 @@ def reload_engine(ctx, k: int, engine_id: int) -> dict[str, Any]:
 
 def verify_engine(ctx, k: int, engine_id: int) -> dict[str, Any]:
     """Read-only check, except that a dead engine is restarted on the expected version."""
-    v = expected_version(ctx, k + 1)
+    v = target_version(ctx, k)
     group = ctx.engines()
     maybe_fail(ctx, "verify", k, kill=lambda: kill_engine(group, engine_id))
     if not group.is_alive(engine_id):
         log.warning("engine %d is dead at verify[k=%d]; restarting it on v%d", engine_id, k, v)
-        group.restart(engine_id, version_path(ctx, v), v)
+        if in_memory(ctx):
+            ensure_engine_serves(ctx, group, engine_id, v)
+        else:
+            group.restart(engine_id, version_path(ctx, v), v)
     served = served_version(ctx, group, engine_id)
     if served != str(v):
         raise VersionMismatch(

@@ -163,6 +163,39 @@ class TrainActor:
             "manifest": manifest,
         }
 
+    def push_weights(
+        self,
+        engine: Any,
+        transport: str,
+        bucket_bytes: int,
+        flush_cache: bool,
+        group_name: str = "",
+    ) -> dict | None:
+        """Collective. Rank 0 sends the trainer state it holds to ``engine`` as weight
+        version ``iteration`` over ``transport`` ('tensor' or 'distributed')."""
+        from training import weight_sender as ws
+
+        self._require_model()
+        version = self._iteration
+        named = bt.iter_full_tensors(self.model)
+        if self.rank != 0:
+            for _ in named:  # join each all-gather; only rank 0 sends
+                pass
+            return None
+        t0 = time.perf_counter()
+        if transport == "tensor":
+            out = ws.send_tensor(engine, named, version, bucket_bytes, flush_cache)
+        elif transport == "distributed":
+            if getattr(self, "_broadcast", None) is None:
+                self._broadcast = ws.BroadcastSender()
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            out = self._broadcast.send(
+                engine, named, version, bucket_bytes, flush_cache, group_name, backend
+            )
+        else:
+            raise ValueError(f"transport={transport!r}: push_weights does 'tensor' or 'distributed'")
+        return {"version": version, "transport": transport, "s": time.perf_counter() - t0, **out}
+
     def offload(self) -> None:
         """Move weights, optimizer state and the reference model to CPU (frees the
         GPU for colocated engines). A no-op on CPU."""

@@ -105,6 +105,16 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=FULL_OFFLOADED)
 
 
+def iter_full_tensors(model: nn.Module):
+    """(name, full tensor) of every state-dict entry, on the model's device, one at a
+    time. Collective under FSDP2 (each DTensor is all-gathered): iterate it on every
+    rank, in the same order."""
+    for name, t in model.state_dict().items():
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        yield name, t.detach()
+
+
 def full_optim_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
     """Full CPU optimizer state keyed by FQN on rank 0 ({} elsewhere). Collective."""
     return get_optimizer_state_dict(model, optim, options=FULL_OFFLOADED)

@@ -55,10 +55,16 @@ class ModelConfig(BaseModel):
 class WeightsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    transport: Literal["disk", "object-store"] = Field(
+    transport: Literal["disk", "object-store", "tensor", "distributed"] = Field(
         "disk",
         description="disk: engines load version folders on a shared local disk; "
-        "object-store: versions go to s3:// and each engine host pulls them to its local cache",
+        "object-store: versions go to s3:// and each engine host pulls them to its local cache; "
+        "tensor: trainer rank 0 hands buckets to same-host engines (shared memory / CUDA IPC); "
+        "distributed: trainer rank 0 broadcasts buckets to each engine (gloo / NCCL). "
+        "The in-memory transports still publish to disk every publish_interval for recovery",
+    )
+    bucket_bytes: int = Field(
+        512 * 1024 * 1024, ge=1024, description="Max bytes per bucket of the in-memory transports"
     )
     shard_size: int = Field(512 * 1024 * 1024, ge=1024, description="Max bytes per safetensors shard")
     publish_interval: int = Field(1, ge=1)

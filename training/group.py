@@ -25,6 +25,9 @@ from training.actor import TrainActor
 from training.config import ModelConfig, TrainConfig, WeightsConfig
 
 log = logging.getLogger(__name__)
+# How long a new train placement group may wait for resources before the step
+# fails with a message (rather than hanging while other actors hold the CPUs).
+PG_READY_TIMEOUT_S = 120.0
 NAMESPACE = "prefect-rl"
 
 
@@ -88,7 +91,15 @@ class TrainGroup:
             name=self.pg_name,
             lifetime="detached",  # outlives the task that created it, like the actors
         )
-        ray.get(pg.ready(), timeout=600)
+        try:
+            ray.get(pg.ready(), timeout=PG_READY_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"the train placement group ({self.world_size} x {bundle}) could not be placed within "
+                f"{PG_READY_TIMEOUT_S:.0f}s: the Ray cluster lacks free resources; stop other runs' "
+                "actors or lower train.num_workers / train.num_cpus_per_worker"
+            ) from None
         addr, port = ray.get(
             _master_endpoint.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)
@@ -228,6 +239,23 @@ class TrainGroup:
 
     def export_hf(self, version: int, iteration: int, parent: int | None) -> dict:
         return ray.get([a.export_hf.remote(version, iteration, parent) for a in self.actors()])[0]
+
+    def push_weights(
+        self,
+        engine: Any,
+        transport: str,
+        bucket_bytes: int,
+        flush_cache: bool,
+        group_name: str = "",
+    ) -> dict:
+        """Send the state the ranks hold to one engine actor (in-memory transports);
+        rank 0's summary."""
+        bucket = bucket_bytes
+        refs = [
+            a.push_weights.remote(engine, transport, bucket, flush_cache, group_name)
+            for a in self.actors()
+        ]
+        return ray.get(refs)[0]
 
     def offload(self) -> None:
         ray.get([a.offload.remote() for a in self.actors()])

@@ -102,3 +102,72 @@ def test_sigkilled_flow_process_resumes(prefect_api, reference, tmp_path):
     store = RunStore(load_config(BASE, over).storage, over["run.name"])
     assert final_weights(store) == reference
     assert_records_complete(store)
+
+
+def test_release_after_publish_gives_the_same_weights(ray_cluster, reference, tmp_path):
+    """slime's release_train: actors are killed after each publish and re-created
+    from the checkpoint before the next train step; the result must not change."""
+    cfg = load_config(BASE, {**overrides(tmp_path, "release"), "train.release_after_publish": True})
+    ctx, _, _ = run_plain(cfg, quiet=True)
+    assert ctx.store.committed_checkpoints() == list(range(1, ITERATIONS + 1))
+    assert final_weights(ctx.store) == reference
+
+
+def test_storage_outage_longer_than_retries_then_rerun(ray_cluster, prefect_api, reference, tmp_path):
+    """The S3 endpoint goes down mid-run for longer than the retries: the run
+    fails clearly with nothing half-committed; once it is back, a rerun finishes."""
+    import threading
+
+    from moto.server import ThreadedMotoServer
+
+    from flows.rl_training import TrainingParams, rl_training
+    from storage.run_store import RunStore
+    from tests.s3_server import fake_aws_env, free_port, make_bucket
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    over = {
+        **overrides(tmp_path, "outage"),
+        "storage.root": "s3://outage-runs/exp",
+        "storage.s3.endpoint_url": url,
+        "storage.s3.max_attempts": 1,
+        "weights.transport": "object-store",
+        "engines.local_cache_dir": str(tmp_path / "cache"),
+        "tasks.retries": 1,
+    }
+    cfg = load_config(BASE, over)
+    with fake_aws_env():
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        make_bucket(url, "outage-runs")
+        store = RunStore(cfg.storage, "outage")
+        stopped = threading.Event()
+
+        def stop_when_train_2_commits() -> None:
+            while not stopped.is_set():
+                if store.read_record(2, "train") is not None:
+                    server.stop()
+                    stopped.set()
+                    return
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=stop_when_train_2_commits, daemon=True)
+        watcher.start()
+        state = rl_training(TrainingParams(config_path=BASE, overrides=over), return_state=True)
+        watcher.join(timeout=5)
+        assert stopped.is_set()
+        assert state.is_failed(), state
+        # the endpoint comes back (moto keeps its objects in this process)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        try:
+            for v in store.committed_versions():  # nothing half-committed: every version verifies
+                store.pull_version(v, str(tmp_path / "verify-cache"))
+            for c in store.committed_checkpoints():
+                store.verify_checkpoint(c)
+            state = rl_training(TrainingParams(config_path=BASE, overrides=over), return_state=True)
+            assert state.is_completed(), state
+            assert final_weights(store) == reference
+            assert_records_complete(store)
+        finally:
+            server.stop()

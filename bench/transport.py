@@ -1,0 +1,153 @@
+"""Weight transports: seconds per update and GB/s of ``tensor`` (shared memory /
+CUDA IPC), ``distributed`` (gloo / NCCL broadcast) and ``disk`` (export +
+update_weights_from_disk), against memcpy (CPU) or a device copy (GPU) of the
+same bytes, measured in the same run.
+
+One train actor and one embedded engine actor on the local Ray cluster hold a
+Llama model of about ``--size-mb`` MB (float32; bf16 with --dtype bfloat16).
+
+    .venv/bin/python -m bench.transport --sizes 100 1000 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def write_model(out: Path, size_mb: int, dtype: str) -> Path:
+    """An HF Llama dir of about size_mb MB: 1024-wide layers (~50 MB each in fp32)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from training.tiny_model import build_tokenizer, tiny_llama_config
+
+    tok = build_tokenizer()
+    cfg = tiny_llama_config(len(tok))
+    bytes_per = 2 if dtype == "bfloat16" else 4
+    per_layer = (4 * 1024 * 1024 + 3 * 1024 * 2816) * bytes_per
+    cfg.hidden_size, cfg.intermediate_size = 1024, 2816
+    cfg.num_attention_heads = cfg.num_key_value_heads = 16
+    cfg.num_hidden_layers = max(1, round(size_mb * 1e6 / per_layer))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def device_copy_s(nbytes: int, cuda: bool, repeats: int) -> float:
+    import torch
+
+    dev = "cuda" if cuda else "cpu"
+    src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def bench_size(size_mb: int, repeats: int, gpus: float, dtype: str, bucket_mb: int) -> list[dict]:
+    import ray
+
+    from engines.config import EngineConfig
+    from engines.group import EngineGroup
+    from storage.config import StorageConfig
+    from training.config import ModelConfig, TrainConfig
+    from training.group import TrainGroup
+
+    base = Path(tempfile.mkdtemp(prefix="bench-transport-"))
+    model_dir = write_model(base / "model", size_mb, dtype)
+    run = f"bench-transport-{uuid.uuid4().hex[:6]}"
+    storage = StorageConfig(root=str(base / "runs"))
+    trainer = TrainGroup(run, TrainConfig(num_gpus_per_worker=gpus), ModelConfig(dtype=dtype), storage, 0)
+    engines = EngineGroup(run, EngineConfig(num_gpus_per_engine=gpus, health_timeout_s=300))
+    rows = []
+    try:
+        trainer.create(str(model_dir))
+        engines.start(str(model_dir))
+        engine = engines.handle(0)
+        bucket = bucket_mb * 1024 * 1024
+        times: dict[str, list[float]] = {"tensor": [], "distributed": [], "disk": []}
+        nbytes = 0
+        for r in range(repeats + 1):  # the first round warms up (IPC set-up, group creation)
+            for transport in ("tensor", "distributed"):
+                t0 = time.perf_counter()
+                out = trainer.push_weights(engine, transport, bucket, flush_cache=False)
+                times[transport].append(time.perf_counter() - t0)
+                nbytes = out["bytes"]
+            t0 = time.perf_counter()
+            trainer.export_hf(r + 1, 0, None)
+            from storage.run_store import RunStore
+
+            path = RunStore(storage, run).local_version_dir(r + 1)
+            reply = ray.get(engine.update_weights_from_disk.remote(path, str(r + 1)))
+            assert reply["success"], reply
+            times["disk"].append(time.perf_counter() - t0)
+        copy_s = device_copy_s(nbytes, gpus > 0, repeats)
+        for transport, ts in times.items():
+            s = statistics.median(ts[1:])
+            rows.append(
+                {
+                    "size_mb": round(nbytes / 1e6),
+                    "dtype": dtype,
+                    "device": "cuda" if gpus > 0 else "cpu",
+                    "transport": transport,
+                    "s_per_update": s,
+                    "GB_per_s": nbytes / s / 1e9,
+                    "copy_s": copy_s,
+                    "x_copy": s / copy_s,
+                }
+            )
+    finally:
+        trainer.shutdown()
+        engines.shutdown()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = "| MB | dtype | device | transport | s/update | GB/s | copy s | × copy |\n|---|---|---|---|---|---|---|---|\n"
+    return head + "".join(
+        f"| {r['size_mb']} | {r['dtype']} | {r['device']} | {r['transport']} | {r['s_per_update']:.3f} | "
+        f"{r['GB_per_s']:.2f} | {r['copy_s']:.4f} | {r['x_copy']:.1f} |\n"
+        for r in rows
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="+", default=[100])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gpus", type=float, default=0.0, help="num_gpus of each actor (0.4: share one GPU)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--out", default="bench/results/transport.json")
+    args = ap.parse_args()
+
+    import ray
+
+    import torch
+
+    if not ray.is_initialized():
+        ray.init(num_gpus=torch.cuda.device_count() if args.gpus else 0, include_dashboard=False, namespace="prefect-rl")
+    rows = [r for size in args.sizes for r in bench_size(size, args.repeats, args.gpus, args.dtype, args.bucket_mb)]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=2))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Engine side of the in-memory weight transports.
+
+Owns turning what a trainer hands over into tensors copied into the model:
+- ``tensor`` buckets: shared-memory segments (CPU; a /dev/shm file the
+  producer keeps until the engine's call returns) or CUDA IPC handles (GPU),
+  each holding one flat tensor per dtype in the ``flattened_bucket`` layout;
+- ``distributed`` buckets: flat tensors received by broadcast from trainer
+  rank 0 over a process group of its own (gloo on CPU, NCCL on GPU), built
+  from an explicit TCPStore so it never touches a default process group.
+Never decides versions and never frees the producer's memory.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engines.flat_bucket import FlatBucket, TensorMeta, flat_from_meta, to_dtype, unflatten
+from engines.weights import WeightLoadError
+
+GROUP_TIMEOUT = timedelta(minutes=10)
+
+
+def open_bucket(handle: dict[str, Any], device: torch.device) -> list[FlatBucket]:
+    """The FlatBuckets of one transfer handle, as views of the producer's memory."""
+    kind = handle["kind"]
+    if kind == "shm":
+        buf = torch.from_file(handle["path"], shared=True, size=handle["nbytes"], dtype=torch.uint8)
+        out = []
+        for part in handle["parts"]:
+            dtype = to_dtype(part["metadata"][0].dtype)
+            nbytes = flat_from_meta(part["metadata"]) * torch.empty((), dtype=dtype).element_size()
+            flat = buf[part["offset"] : part["offset"] + nbytes].view(dtype)
+            out.append(FlatBucket(flat=flat, metadata=part["metadata"]))
+        return out
+    if kind == "cuda_ipc":
+        return [
+            FlatBucket(flat=pickle.loads(part["handle"]), metadata=part["metadata"])
+            for part in handle["parts"]
+        ]
+    raise ValueError(f"unknown bucket handle kind {kind!r}: expected 'shm' or 'cuda_ipc'")
+
+
+@torch.no_grad()
+def copy_into(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> int:
+    """Copy named tensors into the model's state (casting dtype/device); returns bytes copied.
+
+    Every name and shape is checked before the first copy, so a bad bucket
+    leaves the model untouched.
+    """
+    state = model.state_dict()
+    bad = [n for n, t in named if n not in state or state[n].shape != t.shape]
+    if bad:
+        raise WeightLoadError(f"bucket does not fit the model: {bad[:5]} ({len(bad)})")
+    total = 0
+    for name, t in named:
+        state[name].copy_(t)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def metadata_of(
+    names: list[str], dtypes: list[str], shapes: list[list[int]]
+) -> list[list[TensorMeta]]:
+    """Per-dtype metadata (first-seen dtype order) of a distributed bucket, exactly as
+    ``flat_bucket.flatten`` lays it out on the sender."""
+    groups: dict[str, list[TensorMeta]] = {}
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        metas = groups.setdefault(dtype, [])
+        start = metas[-1].end if metas else 0
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        metas.append(
+            TensorMeta(name, tuple(int(d) for d in shape), dtype, start, start + numel, numel)
+        )
+    return list(groups.values())
+
+
+def make_group(
+    master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str
+) -> Any:
+    """A standalone process group (not registered as the default one): trainer rank 0
+    is rank 0 and hosts the TCPStore."""
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=GROUP_TIMEOUT
+    )
+    store = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, GROUP_TIMEOUT)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = GROUP_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    raise ValueError(f"backend {backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
+
+
+def broadcast(pg: Any, tensor: torch.Tensor, root: int = 0) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    pg.broadcast([tensor], opts).wait()
+
+
+def receive_bucket(
+    pg: Any, metas: list[list[TensorMeta]], device: torch.device
+) -> list[FlatBucket]:
+    """Receive one flat tensor per dtype from rank 0, in metadata order."""
+    out = []
+    for metadata in metas:
+        flat = torch.empty(
+            flat_from_meta(metadata), dtype=to_dtype(metadata[0].dtype), device=device
+        )
+        broadcast(pg, flat)
+        out.append(FlatBucket(flat=flat, metadata=metadata))
+    return out
+
+
+def named_tensors(buckets: list[FlatBucket]) -> list[tuple[str, torch.Tensor]]:
+    return [item for b in buckets for item in unflatten(b)]
+
+
+def destroy_group(pg: Any) -> None:
+    """Best effort: NCCL groups hold communicators until shut down; gloo ones just go."""
+    for method in ("shutdown", "abort"):
+        fn = getattr(pg, method, None)
+        if fn is not None:
+            try:
+                fn()
+                return
+            except Exception:  # an already broken group is being dropped anyway
+                pass

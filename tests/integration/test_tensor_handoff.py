@@ -1,0 +1,59 @@
+"""The ``tensor`` transport between one train actor and one engine actor on the
+same host: shared memory on CPU (CI), CUDA IPC with both actors on one GPU
+(fractional num_gpus; ``gpu`` marker). The engine starts from other weights;
+after the push it holds exactly what a disk reload of the trainer's weights gives."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import ray
+import torch
+
+from engines.config import EngineConfig
+from engines.group import EngineGroup
+from storage.config import StorageConfig
+from training.config import ModelConfig, TrainConfig
+from training.group import TrainGroup
+from training.tiny_model import write_tiny_model
+
+
+def _handoff(tmp_path, tiny_model_dir: str, gpus: float) -> dict:
+    run = f"handoff-{uuid.uuid4().hex[:6]}"
+    other = str(write_tiny_model(tmp_path / "other", seed=1))  # the engine starts here
+    train_cfg = TrainConfig(num_cpus_per_worker=0.5, num_gpus_per_worker=gpus)
+    trainer = TrainGroup(run, train_cfg, ModelConfig(), StorageConfig(root=str(tmp_path / "runs")), 0)
+    engines = EngineGroup(run, EngineConfig(num_cpus_per_engine=0.5, num_gpus_per_engine=gpus))
+    try:
+        trainer.create(tiny_model_dir)
+        engines.start(other, weight_version=0)
+        engine = engines.handle(0)
+        before = ray.get(engine.state_sha256.remote())
+        ray.get(engine.pause_generation.remote("in_place"))
+        first = trainer.push_weights(engine, "tensor", 16 * 1024, flush_cache=True)
+        again = trainer.push_weights(engine, "tensor", 16 * 1024, flush_cache=False)  # warm
+        ray.get(engine.continue_generation.remote())
+        pushed = ray.get(engine.state_sha256.remote())
+        info = ray.get(engine.model_info.remote())
+        ray.get(engine.update_weights_from_disk.remote(tiny_model_dir, "0"))
+        from_disk = ray.get(engine.state_sha256.remote())
+        return {"before": before, "pushed": pushed, "disk": from_disk, "info": info, "first": first, "again": again}
+    finally:
+        trainer.shutdown()
+        engines.shutdown()
+
+
+def test_tensor_handoff_over_shared_memory(ray_cluster, tmp_path, tiny_model_dir):
+    r = _handoff(tmp_path, tiny_model_dir, gpus=0.0)
+    assert r["before"] != r["pushed"] == r["disk"]
+    assert r["info"]["weight_version"] == "0" and r["first"]["buckets"] > 1
+
+
+@pytest.mark.gpu
+def test_tensor_handoff_over_cuda_ipc(ray_cluster, tmp_path, tiny_model_dir):
+    assert torch.cuda.is_available()
+    r = _handoff(tmp_path, tiny_model_dir, gpus=0.4)
+    print({k: r[k] for k in ("first", "again")}, r["info"]["device"])
+    assert r["info"]["device"].startswith("cuda")
+    assert r["before"] != r["pushed"] == r["disk"]
