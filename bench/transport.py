@@ -60,7 +60,9 @@ def device_copy_s(nbytes: int, cuda: bool, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def bench_size(size_mb: int, repeats: int, gpus: float, dtype: str, bucket_mb: int) -> list[dict]:
+def bench_size(
+    size_mb: int, repeats: int, gpus: float, dtype: str, bucket_mb: int, transports: list[str]
+) -> list[dict]:
     import ray
 
     from engines.config import EngineConfig
@@ -73,7 +75,9 @@ def bench_size(size_mb: int, repeats: int, gpus: float, dtype: str, bucket_mb: i
     model_dir = write_model(base / "model", size_mb, dtype)
     run = f"bench-transport-{uuid.uuid4().hex[:6]}"
     storage = StorageConfig(root=str(base / "runs"))
-    trainer = TrainGroup(run, TrainConfig(num_gpus_per_worker=gpus), ModelConfig(dtype=dtype), storage, 0)
+    trainer = TrainGroup(
+        run, TrainConfig(num_gpus_per_worker=gpus), ModelConfig(dtype=dtype), storage, 0
+    )
     engines = EngineGroup(run, EngineConfig(num_gpus_per_engine=gpus, health_timeout_s=300))
     rows = []
     try:
@@ -81,14 +85,16 @@ def bench_size(size_mb: int, repeats: int, gpus: float, dtype: str, bucket_mb: i
         engines.start(str(model_dir))
         engine = engines.handle(0)
         bucket = bucket_mb * 1024 * 1024
-        times: dict[str, list[float]] = {"tensor": [], "distributed": [], "disk": []}
+        times: dict[str, list[float]] = {t: [] for t in transports}
         nbytes = 0
         for r in range(repeats + 1):  # the first round warms up (IPC set-up, group creation)
-            for transport in ("tensor", "distributed"):
+            for transport in [t for t in transports if t != "disk"]:
                 t0 = time.perf_counter()
                 out = trainer.push_weights(engine, transport, bucket, flush_cache=False)
                 times[transport].append(time.perf_counter() - t0)
                 nbytes = out["bytes"]
+            if "disk" not in transports:
+                continue
             t0 = time.perf_counter()
             trainer.export_hf(r + 1, 0, None)
             from storage.run_store import RunStore
@@ -131,19 +137,37 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=int, nargs="+", default=[100])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gpus", type=float, default=0.0, help="num_gpus of each actor (0.4: share one GPU)")
+    ap.add_argument(
+        "--gpus", type=float, default=0.0, help="num_gpus of each actor (0.4: share one GPU)"
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--out", default="bench/results/transport.json")
+    ap.add_argument(
+        "--transports",
+        nargs="+",
+        default=["tensor", "distributed", "disk"],
+        help="NCCL needs two GPUs: leave 'distributed' out when actors share one",
+    )
     args = ap.parse_args()
 
     import ray
-
     import torch
 
     if not ray.is_initialized():
-        ray.init(num_gpus=torch.cuda.device_count() if args.gpus else 0, include_dashboard=False, namespace="prefect-rl")
-    rows = [r for size in args.sizes for r in bench_size(size, args.repeats, args.gpus, args.dtype, args.bucket_mb)]
+        ray.init(
+            address="local",
+            num_gpus=torch.cuda.device_count() if args.gpus else 0,
+            include_dashboard=False,
+            namespace="prefect-rl",
+        )
+    rows = [
+        r
+        for size in args.sizes
+        for r in bench_size(
+            size, args.repeats, args.gpus, args.dtype, args.bucket_mb, args.transports
+        )
+    ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=2))
     print(table(rows))

@@ -16,5 +16,7 @@ Contracts:
 Modules: ``config`` (EngineConfig), ``types`` (wire shapes), ``embedded``
 (EmbeddedEngine), ``decode`` (batched KV-cache decode loop), ``sampling``
 (per-row seeded sampling), ``weights`` (all-or-nothing safetensors reload),
-``group`` (EngineGroup).
+``group`` (EngineGroup), ``flat_bucket`` (SGLang's flattened_bucket wire
+format), ``weight_receiver`` + ``memory_updates`` (update_weights_from_tensor /
+_distributed: shared memory or CUDA IPC buckets, gloo/NCCL broadcast groups).
 """

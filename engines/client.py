@@ -194,6 +194,65 @@ class EngineClient:
     def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
         return self._json("POST", "/resume_memory_occupation", {"tags": tags})
 
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        load_format: str = "flattened_bucket",
+    ) -> dict:
+        """Buckets as base64 handles (``engines.weight_receiver.encode_handle``)."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return self._json("POST", "/update_weights_from_tensor", body)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> dict:
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return self._json("POST", "/init_weights_update_group", body)
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> dict:
+        body: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return self._json("POST", "/update_weights_from_distributed", body)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self._json("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
     def begin_weight_update(self) -> Any:
         return self._json("POST", "/begin_weight_update", {})
 

@@ -42,10 +42,14 @@ from engines.security import AuthError, check_bearer, require_token, resolve_all
 from engines.types import (
     AbortRequestBody,
     ContinueGenerationBody,
+    DestroyWeightsUpdateGroupBody,
     GenerateBody,
+    InitWeightsUpdateGroupBody,
     MemoryOccupationBody,
     PauseGenerationBody,
     UpdateWeightsFromDiskBody,
+    UpdateWeightsFromDistributedBody,
+    UpdateWeightsFromTensorBody,
     UpdateWeightVersionBody,
     WeightUpdateSessionBody,
 )
@@ -220,6 +224,44 @@ class _Server:
         body = await parse(request, MemoryOccupationBody)
         return await self.run(self.engine.resume_memory_occupation, body.tags)
 
+    async def update_weights_from_tensor(self, request: Request) -> JSONResponse:
+        self.admin(request)
+        body = await parse(request, UpdateWeightsFromTensorBody)
+        from engines.weight_receiver import decode_handle  # torch: only when used
+
+        handles = [decode_handle(h) for h in body.serialized_named_tensors]
+        if body.abort_all_requests:
+            await self.run(lambda: self.engine.abort_request(abort_all=True))
+        res = await self.run(
+            lambda: self.engine.update_weights_from_tensor(
+                handles, body.load_format or "flattened_bucket", body.flush_cache, body.weight_version
+            )
+        )
+        return JSONResponse(res, status_code=200 if res["success"] else 400)
+
+    async def init_weights_update_group(self, request: Request) -> dict:
+        self.admin(request)
+        b = await parse(request, InitWeightsUpdateGroupBody)
+        args = (b.master_address, b.master_port, b.rank_offset, b.world_size, b.group_name, b.backend)
+        return await self.run(self.engine.init_weights_update_group, *args)
+
+    async def update_weights_from_distributed(self, request: Request) -> JSONResponse:
+        self.admin(request)
+        b = await parse(request, UpdateWeightsFromDistributedBody)
+        if b.abort_all_requests:
+            await self.run(lambda: self.engine.abort_request(abort_all=True))
+        res = await self.run(
+            lambda: self.engine.update_weights_from_distributed(
+                b.names, b.dtypes, b.shapes, b.group_name, b.flush_cache, b.weight_version
+            )
+        )
+        return JSONResponse(res, status_code=200 if res["success"] else 400)
+
+    async def destroy_weights_update_group(self, request: Request) -> dict:
+        self.admin(request)
+        b = await parse(request, DestroyWeightsUpdateGroupBody)
+        return await self.run(self.engine.destroy_weights_update_group, b.group_name)
+
     async def begin_weight_update(self, request: Request) -> dict:
         """Open a weight-update session (SGLang 0.5.23); a no-op bracket for this engine."""
         self.admin(request)
@@ -255,6 +297,10 @@ ROUTES: list[tuple[str, tuple[str, ...], str]] = [
     ("/abort_request", ("POST",), "abort_request"),
     ("/release_memory_occupation", ("GET", "POST"), "release_memory_occupation"),
     ("/resume_memory_occupation", ("GET", "POST"), "resume_memory_occupation"),
+    ("/update_weights_from_tensor", ("POST",), "update_weights_from_tensor"),
+    ("/init_weights_update_group", ("POST",), "init_weights_update_group"),
+    ("/update_weights_from_distributed", ("POST",), "update_weights_from_distributed"),
+    ("/destroy_weights_update_group", ("POST",), "destroy_weights_update_group"),
     ("/begin_weight_update", ("POST",), "begin_weight_update"),
     ("/end_weight_update", ("POST",), "end_weight_update"),
 ]

@@ -198,3 +198,46 @@ class MemoryOccupationBody(_Body):
 
 class WeightUpdateSessionBody(_Body):
     """The (empty) body of ``/begin_weight_update`` and ``/end_weight_update``."""
+
+
+class UpdateWeightsFromTensorBody(_Body):
+    """``UpdateWeightsFromTensorReqInput``: each entry is base64 of a pickled bucket
+    handle (``training.weight_sender``), as SGLang's MultiprocessingSerializer
+    with ``output_str=True``. Admin-only: the server unpickles it."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = "flattened_bucket"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class InitWeightsUpdateGroupBody(_Body):
+    """``InitWeightsUpdateGroupReqInput``."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedBody(_Body):
+    """``UpdateWeightsFromDistributedReqInput``: one bucket's metadata; the tensors
+    come by broadcast over ``group_name``."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class DestroyWeightsUpdateGroupBody(_Body):
+    """``DestroyWeightsUpdateGroupReqInput``."""
+
+    group_name: str = "weight_update_group"

@@ -25,6 +25,20 @@ from engines.weights import WeightLoadError
 GROUP_TIMEOUT = timedelta(minutes=10)
 
 
+def encode_handle(handle: dict[str, Any]) -> str:
+    """A bucket handle as the base64 string SGLang's HTTP API carries."""
+    import base64
+
+    return base64.b64encode(pickle.dumps(handle)).decode()
+
+
+def decode_handle(text: str) -> dict[str, Any]:
+    """Inverse of ``encode_handle`` (unpickles: admin-authenticated callers only)."""
+    import base64
+
+    return pickle.loads(base64.b64decode(text))
+
+
 def open_bucket(handle: dict[str, Any], device: torch.device) -> list[FlatBucket]:
     """The FlatBuckets of one transfer handle, as views of the producer's memory."""
     kind = handle["kind"]

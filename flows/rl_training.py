@@ -84,6 +84,7 @@ def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
     start = steps.first_unfinished(ctx)
     total = cfg.run.iterations
     rows: list[dict[str, Any]] = []
+    seconds: list[float] = []
     t0 = time.perf_counter()
     with LeaseKeeper(ctx):
         if start > total:
@@ -93,16 +94,12 @@ def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
         iteration = rl_iteration.with_options(task_runner=RayTaskRunner(address=cfg.ray.address))
         progress = artifacts.start_progress(cfg.run.name, start - 1, total)
         step_seconds: dict[str, float] = {}
-        seconds: list[float] = []
         for k in range(start, total + 1):
             t_iter = time.perf_counter()
             out = iteration(ctx, k)
             seconds.append(time.perf_counter() - t_iter)
             rows.append(out["row"])
-            for step, result in out.items():
-                if isinstance(result, dict) and "step_s" in result:
-                    name = step.split("-e")[0]
-                    step_seconds[name] = step_seconds.get(name, 0.0) + result["step_s"]
+            add_step_seconds(step_seconds, out)
             print(iteration_line(out["row"], total))
             artifacts.update_progress(progress, k, total)
         artifacts.run_summary(ctx, rows, step_seconds)
@@ -117,9 +114,17 @@ def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
     return {
         "run": cfg.run.name,
         "iterations": [r["iteration"] for r in rows],
-        "seconds": seconds if rows else [],
+        "seconds": seconds,
         "summary": text,
     }
+
+
+def add_step_seconds(totals: dict[str, float], out: dict[str, Any]) -> None:
+    """Add one iteration's step times (per-engine steps summed) to ``totals``."""
+    for step, result in out.items():
+        if isinstance(result, dict) and "step_s" in result:
+            name = step.split("-e")[0]
+            totals[name] = totals.get(name, 0.0) + result["step_s"]
 
 
 def continued(cfg: RunConfig, extra: int) -> RunConfig:

@@ -23,8 +23,9 @@ def ray_cluster():
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="prefect-rl", log_to_driver=False)
+    # No ray.shutdown() here: Ray's exit hook stops the cluster after every other
+    # session fixture (some tear down actors) has finished with it.
     yield ray
-    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

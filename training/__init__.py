@@ -10,5 +10,7 @@ Contracts:
   and rollouts k in the run store; it never generates.
 - Same config + same world size on CPU -> byte-identical weights.
 - Imports torch, transformers, ray and ``storage``; never Prefect.
+- ``push_weights`` (collective; rank 0 sends) hands the held state to one
+  engine over ``weights.transport`` tensor/distributed (``weight_sender``).
 - Losses/advantages are pure tensor functions (``losses.py``, ``advantages.py``).
 """

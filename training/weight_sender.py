@@ -85,7 +85,9 @@ class ShmSegment:
 
 
 def _ipc_handle(buckets: list[FlatBucket]) -> dict[str, Any]:
-    from torch.multiprocessing.reductions import ForkingPickler
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reductions)
 
     parts = []
     for b in buckets:

@@ -8,32 +8,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-import ray
 from ray.util.placement_group import placement_group_table
 from safetensors.torch import load_file, save_file
 
 from engines.config import EngineConfig
 from engines.group import EngineGroup
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """The session's Ray cluster, started here if no earlier test started one.
-
-    Overrides tests/conftest.py's fixture only to pass ``address="local"``:
-    without it, ``ray.init`` joins any cluster another process on this machine
-    started with ``ray start --head`` and then refuses ``num_cpus``. Shutdown
-    is left to Ray's exit hook, so later test folders can reuse the cluster.
-    """
-    if not ray.is_initialized():
-        ray.init(
-            address="local",
-            num_cpus=8,
-            include_dashboard=False,
-            namespace="prefect-rl",
-            log_to_driver=False,
-        )
-    yield ray
 
 
 @pytest.fixture(scope="session")
@@ -99,9 +78,10 @@ def pg_names():
     return live_pg_names
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine_group(ray_cluster, tiny_dir):
-    """Two engines on v0 shared by the actor tests (an engine start costs ~8 s here).
+    """Two engines on v0 shared by one module's tests (an engine start costs ~8 s here).
+    Module scope: the engines' CPUs are free again for the test folders after this one.
 
     Tests may change the served version and restart engines but leave both
     alive. Teardown is also the shutdown test: engines and their placement

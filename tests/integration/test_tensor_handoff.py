@@ -23,7 +23,9 @@ def _handoff(tmp_path, tiny_model_dir: str, gpus: float) -> dict:
     run = f"handoff-{uuid.uuid4().hex[:6]}"
     other = str(write_tiny_model(tmp_path / "other", seed=1))  # the engine starts here
     train_cfg = TrainConfig(num_cpus_per_worker=0.5, num_gpus_per_worker=gpus)
-    trainer = TrainGroup(run, train_cfg, ModelConfig(), StorageConfig(root=str(tmp_path / "runs")), 0)
+    trainer = TrainGroup(
+        run, train_cfg, ModelConfig(), StorageConfig(root=str(tmp_path / "runs")), 0
+    )
     engines = EngineGroup(run, EngineConfig(num_cpus_per_engine=0.5, num_gpus_per_engine=gpus))
     try:
         trainer.create(tiny_model_dir)
@@ -38,7 +40,14 @@ def _handoff(tmp_path, tiny_model_dir: str, gpus: float) -> dict:
         info = ray.get(engine.model_info.remote())
         ray.get(engine.update_weights_from_disk.remote(tiny_model_dir, "0"))
         from_disk = ray.get(engine.state_sha256.remote())
-        return {"before": before, "pushed": pushed, "disk": from_disk, "info": info, "first": first, "again": again}
+        return {
+            "before": before,
+            "pushed": pushed,
+            "disk": from_disk,
+            "info": info,
+            "first": first,
+            "again": again,
+        }
     finally:
         trainer.shutdown()
         engines.shutdown()

@@ -57,11 +57,29 @@ def test_round_trip_is_exact_directly_and_through_shared_memory():
         assert list(got) == [n for b in flats for n in (m.name for m in b.metadata)]
         for name, t in named.items():
             assert got[name].dtype == t.dtype and got[name].shape == t.shape
-            assert torch.equal(got[name].view(torch.uint8) if t.numel() else got[name], t.view(torch.uint8) if t.numel() else t)
+            assert torch.equal(
+                got[name].view(torch.uint8) if t.numel() else got[name],
+                t.view(torch.uint8) if t.numel() else t,
+            )
 
 
 def test_distributed_metadata_matches_the_sender_layout():
     flats = flatten(_named())
     metas = [m for b in flats for m in b.metadata]
-    rebuilt = wr.metadata_of([m.name for m in metas], [m.dtype for m in metas], [list(m.shape) for m in metas])
+    rebuilt = wr.metadata_of(
+        [m.name for m in metas], [m.dtype for m in metas], [list(m.shape) for m in metas]
+    )
     assert rebuilt == [b.metadata for b in flats]
+
+
+def test_in_memory_transports_validate_like_disk():
+    import pytest
+
+    from flows.config import ConfigError, load_config
+
+    for transport in ("tensor", "distributed"):
+        cfg = load_config(None, {"weights.transport": transport, "weights.bucket_bytes": 4096})
+        assert cfg.weights.transport == transport and cfg.weights.bucket_bytes == 4096
+        with pytest.raises(ConfigError, match=f"'{transport}' needs a local storage.root"):
+            load_config(None, {"weights.transport": transport, "storage.root": "s3://b/p"})
+    assert load_config(None, {}).weights.bucket_bytes == 512 * 1024 * 1024
