@@ -265,8 +265,10 @@ class TrainActor:
         lc = self.cfg.loss
         self.model.train()
         self.optim.zero_grad(set_to_none=True)
-        # FSDP averages gradients over ranks, so each rank divides by G / world_size.
-        denom = max(global_tokens, 1) / self.world_size
+        # Gradients are averaged over the data-parallel ranks (FSDP does it for the
+        # torch backend), so each rank divides by G / dp.
+        dp = self._data_parallel_size()
+        denom = max(global_tokens, 1) / dp
         # [loss, pg_loss*n, clip_frac*n, kl*n, entropy*n, |old - rollout|*n, n]
         sums = torch.zeros(7, dtype=torch.float64)
         for i, mb in enumerate(mbs):
@@ -295,7 +297,7 @@ class TrainActor:
             diff = float(((old[i] - mb.rollout_logprobs).abs() * mb.loss_mask).sum())
             sums += torch.tensor(
                 [
-                    float(loss.detach()) / self.world_size,
+                    float(loss.detach()) / dp,
                     m["pg_loss"] * n,
                     m["clip_frac"] * n,
                     m.get("kl", 0.0) * n,
@@ -305,6 +307,14 @@ class TrainActor:
                 ],
                 dtype=torch.float64,
             )
+        return self._all_reduce_sums(sums)
+
+    def _data_parallel_size(self) -> int:
+        """Ranks that see different data (all of them under FSDP)."""
+        return self.world_size
+
+    def _all_reduce_sums(self, sums: torch.Tensor) -> torch.Tensor:
+        """Sum the metric sums over the data-parallel ranks."""
         if self.world_size > 1:
             import torch.distributed as dist
 

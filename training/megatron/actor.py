@@ -35,7 +35,6 @@ from rollout.types import RolloutBatch
 from training.actor import TrainActor, step_seed
 from training.batch import build_train_batch, micro_batches, rank_slice
 from training.export import manifest_dict, write_hf_weights
-from training.losses import grpo_loss
 from training.megatron import checkpoint as mcheckpoint
 from training.megatron.convert import spec_from_hf_config
 from training.megatron.model import (
@@ -184,50 +183,11 @@ class MegatronTrainActor(TrainActor):
         torch.cuda.synchronize()
         return self._metrics(sums, grad_norm, full, time.perf_counter() - t0)
 
-    def _accumulate(self, mbs: list, old: list, ref: list, global_tokens: int) -> torch.Tensor:
-        """Forward/backward each micro-batch with the shared GRPO loss; summed metrics
-        all-reduced over the data-parallel group."""
-        from training.backend_torch import token_logprobs
+    def _data_parallel_size(self) -> int:
+        return self.dp_size  # gradients are averaged over DP in _reduce_and_clip
 
-        lc = self.cfg.loss
-        self.model.train()
-        self.optim.zero_grad(set_to_none=True)
-        denom = max(global_tokens, 1) / self.dp_size  # gradients are averaged over DP below
-        sums = torch.zeros(7, dtype=torch.float64)
-        for i, mb in enumerate(mbs):
-            mb = self._to_device(mb)
-            lp, ent = token_logprobs(
-                self.model,
-                mb.input_ids,
-                mb.attention_mask,
-                with_entropy=True,
-                entropy_grad=lc.entropy_coef > 0,
-            )
-            loss, m = grpo_loss(
-                lp,
-                old[i],
-                mb.advantages,
-                mb.loss_mask,
-                lc.clip_eps,
-                ref_logprobs=ref[i] if ref else None,
-                kl_coef=lc.kl_coef,
-                entropy=ent,
-                entropy_coef=lc.entropy_coef,
-                num_tokens=denom,
-            )
-            loss.backward()
-            n = float(mb.loss_mask.sum())
-            diff = float(((old[i] - mb.rollout_logprobs).abs() * mb.loss_mask).sum())
-            row = [
-                float(loss.detach()) / self.dp_size,
-                m["pg_loss"] * n,
-                m["clip_frac"] * n,
-                m.get("kl", 0.0) * n,
-                m.get("entropy", 0.0) * n,
-                diff,
-                n,
-            ]
-            sums += torch.tensor(row, dtype=torch.float64)
+    def _all_reduce_sums(self, sums: torch.Tensor) -> torch.Tensor:
+        """Metric sums over the data-parallel group (TP ranks hold the same data)."""
         if self.dp_size > 1:
             from megatron.core import parallel_state as ps
 
