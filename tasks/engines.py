@@ -97,15 +97,7 @@ def ensure_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool 
         log.warning("engine %d is not alive; restarting it on v%d", engine_id, v)
         group.restart(engine_id, path, v)
     elif force_reload or served_version(ctx, group, engine_id) != str(v):
-        flush = v % ctx.cfg.weights.flush_cache_interval == 0
-        with engine_client(ctx, group, engine_id) as client:
-            client.pause_generation(ctx.cfg.engines.pause_mode)
-            try:
-                reply = client.update_weights_from_disk(path, weight_version=str(v), flush_cache=flush)
-            finally:
-                client.continue_generation()
-        if not reply.get("success"):
-            raise RuntimeError(f"engine {engine_id} refused v{v} from {path}: {reply.get('message')}")
+        _disk_reload(ctx, group, engine_id, v)
     ctx.store.record_serving(engine_id, v)
 
 
@@ -130,6 +122,7 @@ def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) 
 
 
 def _disk_reload(ctx, group, engine_id: int, v: int) -> None:
+    """Pause, /update_weights_from_disk (flushing every flush_cache_interval versions), continue."""
     path = version_path(ctx, v)
     flush = v % ctx.cfg.weights.flush_cache_interval == 0
     with engine_client(ctx, group, engine_id) as client:
