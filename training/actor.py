@@ -147,13 +147,11 @@ class TrainActor:
                 "shards": sum(n.endswith(".safetensors") for n in names),
                 "reused": True,
             }
-        state = bt.full_model_state(self.model)
+        state = self._hf_state()  # collective: every rank takes part in the gather
         if self.rank != 0:
             return None
         writer = store.weights_writer(version, iteration, parent)
-        written = write_hf_weights(
-            writer, drop_tied(self.model, state), self.weights_cfg.shard_size, self.base_model_path
-        )
+        written = write_hf_weights(writer, state, self.weights_cfg.shard_size, self.base_model_path)
         manifest = manifest_dict(writer.commit())
         return {
             "version": version,
@@ -232,18 +230,33 @@ class TrainActor:
                 f"run rollout({k}) before train({k})"
             )
         full = build_train_batch(RolloutBatch.from_json(data), self.pad_id)
-        start, end = rank_slice(full.size, self.rank, self.world_size)
+        dp_rank = self._data_parallel_rank()
+        start, end = rank_slice(full.size, dp_rank, self._data_parallel_size())
         mbs = micro_batches(full.rows(start, end), self.cfg.micro_batch_size)
-        torch.manual_seed(step_seed(self.seed, k, self.rank))
+        torch.manual_seed(step_seed(self.seed, k, dp_rank))
         old, ref = self._reference_logprobs(mbs)
         sums = self._accumulate(mbs, old, ref, full.num_tokens)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = self._clip_grad_norm()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         self._iteration = k
-        return self._metrics(sums, float(grad_norm), full, time.perf_counter() - t0)
+        return self._metrics(sums, grad_norm, full, time.perf_counter() - t0)
+
+    # Backend hooks: the megatron actor overrides these four and nothing else of
+    # the train/export path.
+    def _data_parallel_rank(self) -> int:
+        return self.rank
+
+    def _clip_grad_norm(self) -> float:
+        """Clip by the global gradient norm; returns the norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _hf_state(self) -> dict[str, torch.Tensor]:
+        """The full state dict in HF names, tied output dropped (collective)."""
+        return drop_tied(self.model, bt.full_model_state(self.model))
 
     def _reference_logprobs(self, mbs: list) -> tuple[list, list]:
         """Old logprobs from the current weights (ratio starts at 1) and reference

@@ -24,17 +24,13 @@ GPU only: megatron's forward needs CUDA (``setup`` refuses a CPU device).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from rollout.types import RolloutBatch
-from training.actor import TrainActor, step_seed
-from training.batch import build_train_batch, micro_batches, rank_slice
-from training.export import manifest_dict, write_hf_weights
+from training.actor import TrainActor
 from training.megatron import checkpoint as mcheckpoint
 from training.megatron.convert import spec_from_hf_config
 from training.megatron.model import (
@@ -127,61 +123,17 @@ class MegatronTrainActor(TrainActor):
         meta["world_size"] = self.world_size
         return mcheckpoint.save(store, k, self.model.gpt, self.optim, meta)
 
-    def export_hf(self, version: int, iteration: int, parent: int | None) -> dict | None:
-        """Collective. Rank 0 publishes ``weights/v{version}`` as plain HF safetensors."""
-        self._require_model()
-        store = self.store()
-        if version in store.committed_versions():  # a committed version is never rewritten
-            if self.rank != 0:
-                return None
-            manifest = manifest_dict(store.read_manifest(version))
-            names = [f["name"] for f in manifest["files"]]
-            return {
-                "version": version,
-                "iteration": manifest["iteration"],
-                "parent": manifest["parent"],
-                "files": names,
-                "manifest": manifest,
-                "shards": sum(n.endswith(".safetensors") for n in names),
-                "reused": True,
-            }
-        state = full_hf_state(self.model.gpt, self.tp)  # HF names; no lm_head when tied
-        if self.rank != 0:
-            return None
-        writer = store.weights_writer(version, iteration, parent)
-        written = write_hf_weights(writer, state, self.weights_cfg.shard_size, self.base_model_path)
-        manifest = manifest_dict(writer.commit())
-        return {
-            "version": version,
-            "iteration": iteration,
-            "parent": parent,
-            **written,
-            "manifest": manifest,
-        }
-
     # -- training ----------------------------------------------------------
-    def train_step(self, k: int) -> dict[str, float]:
-        """One optimizer step on rollouts ``k``; requires trainer state ``k - 1``."""
-        self._require_at(k - 1, f"train_step({k})")
-        t0 = time.perf_counter()
-        data = self.store().read_rollouts(k)
-        if data is None:
-            raise FileNotFoundError(
-                f"no persisted rollouts for iteration {k} in run {self.run_name!r}; "
-                f"run rollout({k}) before train({k})"
-            )
-        full = build_train_batch(RolloutBatch.from_json(data), self.pad_id)
-        start, end = rank_slice(full.size, self.dp_rank, self.dp_size)
-        mbs = micro_batches(full.rows(start, end), self.cfg.micro_batch_size)
-        torch.manual_seed(step_seed(self.seed, k, self.dp_rank))  # TP peers draw alike
-        old, ref = self._reference_logprobs(mbs)
-        sums = self._accumulate(mbs, old, ref, full.num_tokens)
-        grad_norm = self._reduce_and_clip()
-        self.optim.step()
-        self.optim.zero_grad(set_to_none=True)
-        self._iteration = k
+    def _data_parallel_rank(self) -> int:
+        return self.dp_rank  # TP peers take the same slice and draw alike
+
+    def _clip_grad_norm(self) -> float:
+        norm = self._reduce_and_clip()
         torch.cuda.synchronize()
-        return self._metrics(sums, grad_norm, full, time.perf_counter() - t0)
+        return norm
+
+    def _hf_state(self) -> dict[str, torch.Tensor]:
+        return full_hf_state(self.model.gpt, self.tp)  # HF names; no lm_head when tied
 
     def _data_parallel_size(self) -> int:
         return self.dp_size  # gradients are averaged over DP in _reduce_and_clip
