@@ -16,7 +16,6 @@ class SGLangConfig(BaseModel):
     port: int = Field(
         0, ge=0, le=65535, description="--port of engine 0 (i adds i); 0 = a free port"
     )
-    tp_size: int = Field(1, ge=1, description="--tp-size")
     mem_fraction_static: float | None = Field(
         None, gt=0, le=1, description="--mem-fraction-static (None: SGLang's default)"
     )
@@ -37,6 +36,12 @@ class EngineConfig(BaseModel):
 
     kind: Literal["embedded", "sglang"] = "embedded"
     num_engines: int = Field(1, ge=1)
+    tp_size: int = Field(
+        1,
+        ge=1,
+        description="Ranks per engine (tensor parallel): one placement bundle each; "
+        "SGLang's --tp-size",
+    )
     num_cpus_per_engine: float = Field(1.0, gt=0, description="Ray CPUs reserved per engine")
     num_gpus_per_engine: float = Field(0.0, ge=0)
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads inside an engine")
@@ -58,3 +63,20 @@ class EngineConfig(BaseModel):
         description="Env var holding the bearer token of the admin endpoints (never in config)",
     )
     sglang: SGLangConfig = SGLangConfig()
+
+
+class PlacementConfig(BaseModel):
+    """Where engines and train ranks run (the ``placement`` section).
+
+    It lives with the engines because the engine group owns it: disaggregated
+    (each engine in its own placement group, the trainer in another) or
+    colocated (one shared group; the two sides take turns on its devices).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    colocate: bool = Field(
+        False,
+        description="Train ranks and engine ranks share devices, one placement bundle per "
+        "device, and take turns: engines sleep while the trainer works and the reverse",
+    )

@@ -5,7 +5,9 @@ per live row per step through a ``DynamicCache``. Finished rows are dropped
 from the batch (and from the cache) so they stop costing compute. Knows
 nothing about queues, pausing or versions: the caller's ``between_steps``
 hook decides whether to keep going, and ``step_lock`` guards every forward so
-weights can be swapped between steps.
+weights can be swapped between steps. Forwards and cache edits go through a
+``ModelRunner`` (one per decode call), so an engine spanning several ranks
+(``engines.tensor_parallel``) mirrors each of them on its other ranks.
 """
 
 from __future__ import annotations
@@ -106,9 +108,33 @@ def _forward(model, ids, mask, pos, cache: DynamicCache) -> torch.Tensor:
     return out.logits[:, -1, :]
 
 
+class ModelRunner:
+    """The forwards of one decode call on one model replica (or on rank 0 of an
+    engine whose ``TPRunner`` subclass repeats each call on the other ranks)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.cache: DynamicCache | None = None
+
+    def begin(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        assert self.cache is not None, "begin() first"
+        return _forward(self.model, ids, mask, pos, self.cache)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` in the cache."""
+        assert self.cache is not None, "begin() first"
+        self.cache.batch_select_indices(rows)
+
+    def end(self) -> None:
+        self.cache = None
+
+
 @torch.inference_mode()
 def decode(
-    model: torch.nn.Module,
+    runner: ModelRunner,
     rows: list[Row],
     pad_id: int,
     device: torch.device,
@@ -123,9 +149,18 @@ def decode(
     """
     lock = step_lock if step_lock is not None else contextlib.nullcontext()
     ids, mask, pos = _left_pad(rows, pad_id, device)
-    cache = DynamicCache(config=model.config)
     with lock:
-        logits = _forward(model, ids, mask, pos, cache)
+        runner.begin()
+    try:
+        _decode_loop(runner, rows, ids, mask, pos, device, between_steps, lock)
+    finally:
+        with lock:
+            runner.end()
+
+
+def _decode_loop(runner, rows, ids, mask, pos, device, between_steps, lock) -> None:
+    with lock:
+        logits = runner.forward(ids, mask, pos)
     live = list(range(len(rows)))  # indices into rows, aligned with the batch dim
     next_pos = pos[:, -1] + 1
     while True:
@@ -142,7 +177,8 @@ def decode(
             return
         if len(keep) < len(live):
             sel = torch.tensor(keep, device=device)
-            cache.batch_select_indices(sel)
+            with lock:
+                runner.select(sel)
             mask, next_pos = mask[sel], next_pos[sel]
             live = [live[b] for b in keep]
             step_tokens = [step_tokens[b] for b in keep]
@@ -154,5 +190,5 @@ def decode(
         tok_t = torch.tensor(step_tokens, dtype=torch.long, device=device)[:, None]
         mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
         with lock:
-            logits = _forward(model, tok_t, mask, next_pos[:, None], cache)
+            logits = runner.forward(tok_t, mask, next_pos[:, None])
         next_pos = next_pos + 1

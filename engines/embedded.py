@@ -43,10 +43,12 @@ from typing import Any
 
 import ray
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from engines import tensor_parallel as tpar
 from engines.config import EngineConfig
-from engines.decode import Row, decode
+from engines.decode import ModelRunner, Row, decode
+from engines.engine_ranks import EngineRanks, TPRunner, engine_device, load_model
 from engines.memory_updates import InMemoryUpdates
 from engines.sampling import make_generator
 from engines.types import GenerateResult, PauseMode, SamplingParams, UpdateWeightsResult
@@ -89,18 +91,26 @@ class EmbeddedEngine(InMemoryUpdates):
     """One rollout engine replica; see the module docstring for semantics."""
 
     def __init__(
-        self, model_path: str, engine_id: int, cfg: EngineConfig, weight_version: int = 0
+        self,
+        model_path: str,
+        engine_id: int,
+        cfg: EngineConfig,
+        weight_version: int = 0,
+        rank_bundles: list[int] | None = None,
     ) -> None:
+        """``rank_bundles``: where ranks 1..tp_size-1 go in this actor's placement
+        group (``EngineGroup`` passes them when ``engines.tp_size > 1``)."""
         torch.set_num_threads(cfg.torch_threads)
         self.engine_id = engine_id
         self._cfg = cfg
-        use_gpu = cfg.num_gpus_per_engine > 0 and torch.cuda.is_available()
-        self._device = torch.device("cuda" if use_gpu else "cpu")
+        self._device = engine_device(cfg)
         self._tokenizer = AutoTokenizer.from_pretrained(model_path)
-        # float32 on CPU keeps a row's tokens independent of batch padding.
-        dtype = "auto" if use_gpu else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-        self._model = model.to(self._device).eval()
+        self._model = load_model(model_path, cfg)
+        self._ranks: EngineRanks | None = None
+        if cfg.tp_size > 1:
+            tpar.check_divisible(self._model.config, cfg.tp_size)
+            self._ranks = EngineRanks.start(model_path, cfg, engine_id, rank_bundles or [])
+            tpar.shard_model(self._model, 0, cfg.tp_size, self._ranks.group)
         self._model_path = model_path
         self._start_path = model_path  # always an allowed root for HTTP reloads
         self._weight_version = str(int(weight_version))
@@ -183,7 +193,7 @@ class EmbeddedEngine(InMemoryUpdates):
             error = None
             try:
                 decode(
-                    self._model,
+                    self._runner(),
                     rows,
                     self._pad_id(),
                     self._device,
@@ -213,6 +223,12 @@ class EmbeddedEngine(InMemoryUpdates):
             if left <= 0:
                 return
             self._cond.wait(timeout=left)
+
+    def _runner(self) -> ModelRunner:
+        """One decode call's forwards: on every rank when the engine spans several."""
+        return (
+            ModelRunner(self._model) if self._ranks is None else TPRunner(self._model, self._ranks)
+        )
 
     def _row(self, prompt: list[int], sp: SamplingParams) -> Row:
         stop = self._eos if sp.stop_token_ids is None else frozenset(sp.stop_token_ids)
@@ -334,15 +350,24 @@ class EmbeddedEngine(InMemoryUpdates):
         if abort_all_requests:
             with self._cond:
                 self._abort_all("aborted by update_weights_from_disk")
+        # Every rank reads and checks its slice before any rank swaps (all or nothing).
+        staged = [] if self._ranks is None else self._ranks.submit("stage_from_disk", model_path)
         try:
-            state = read_state_dict(model_path)
+            state = tpar.shard_state(read_state_dict(model_path), 0, self._cfg.tp_size)
             check_state_dict(self._model, state)
+            errors = [e for e in ray.get(staged) if e is not None]
+            if errors:
+                raise WeightLoadError("; ".join(errors))
         except (WeightLoadError, OSError) as e:
+            if self._ranks is not None:
+                ray.get(self._ranks.submit("drop_staged"))
             with self._cond:
                 paused = self._inflight if self._parked else 0
             return {"success": False, "message": str(e), "num_paused_requests": paused}
         with self._step_lock:
+            commits = [] if self._ranks is None else self._ranks.submit("commit_staged")
             load_into(self._model, state)
+            ray.get(commits)
             with self._cond:
                 if weight_version is not None:
                     self._weight_version = str(weight_version)
@@ -373,8 +398,14 @@ class EmbeddedEngine(InMemoryUpdates):
             "weight_version": self._weight_version,
             "engine_id": self.engine_id,
             "device": str(self._device),
+            "tp_size": self._cfg.tp_size,
             "paused": self._paused,
         }
+
+    @_control
+    def rank_pids(self) -> list[int]:
+        """Process ids of every rank of this engine, rank 0 (this actor) first."""
+        return [os.getpid(), *([] if self._ranks is None else self._ranks.pids())]
 
     @_control
     def get_load(self) -> dict[str, int]:
@@ -391,7 +422,7 @@ class EmbeddedEngine(InMemoryUpdates):
             SamplingParams(temperature=0.0, max_new_tokens=1, stop_token_ids=()),
         )
         try:
-            decode(self._model, [row], self._pad_id(), self._device, step_lock=self._step_lock)
+            decode(self._runner(), [row], self._pad_id(), self._device, step_lock=self._step_lock)
         except Exception:
             log.exception("engine %s: health_generate failed", self.engine_id)
             return False

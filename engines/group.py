@@ -136,21 +136,35 @@ class EngineGroup:
         return None
 
     def _create(self, i: int, model_path: str, weight_version: int) -> ActorHandle:
-        bundle: dict[str, float] = {"CPU": self.cfg.num_cpus_per_engine}
-        if self.cfg.num_gpus_per_engine > 0:
-            bundle["GPU"] = self.cfg.num_gpus_per_engine
+        cpus, gpus, tp = (
+            self.cfg.num_cpus_per_engine,
+            self.cfg.num_gpus_per_engine,
+            self.cfg.tp_size,
+        )
+        if self.cfg.kind == "sglang":
+            # The server spawns its own TP processes: one bundle holds all its GPUs.
+            bundles = [{"CPU": cpus, "GPU": gpus * tp}]
+        else:
+            # One bundle per rank; the actor is rank 0 and places the others itself.
+            bundles = [{"CPU": cpus, "GPU": gpus} for _ in range(tp)]
+        if not gpus:
+            for b in bundles:
+                del b["GPU"]
         pg = self._find_pg(i) or placement_group(
-            [bundle], strategy="STRICT_PACK", name=self.pg_name(i), lifetime="detached"
+            bundles, strategy="STRICT_PACK", name=self.pg_name(i), lifetime="detached"
         )
         ray.get(pg.ready(), timeout=self.cfg.health_timeout_s)
         options: dict[str, Any] = dict(
             name=self.actor_name(i),
             namespace=self.namespace,
             lifetime="detached",
-            num_cpus=self.cfg.num_cpus_per_engine,
-            num_gpus=self.cfg.num_gpus_per_engine,
+            num_cpus=cpus,
+            num_gpus=bundles[0].get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
         )
+        kwargs: dict[str, Any] = {}
+        if self.cfg.kind != "sglang" and tp > 1:
+            kwargs["rank_bundles"] = list(range(1, tp))
         if self.cfg.kind == "sglang":
             from engines.sglang import actor_class as sglang_actor_class
 
@@ -162,7 +176,9 @@ class EngineGroup:
         deadline = time.monotonic() + self.cfg.health_timeout_s
         while True:
             try:
-                return cls.options(**options).remote(model_path, i, self.cfg, weight_version)
+                return cls.options(**options).remote(
+                    model_path, i, self.cfg, weight_version, **kwargs
+                )
             except ValueError:
                 if time.monotonic() > deadline:
                     raise

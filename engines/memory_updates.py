@@ -10,16 +10,23 @@ Buckets are applied as they arrive, under the step lock; the caller pauses
 generation first (the reload step pauses in place), so no forward sees a
 half-updated model. The weight version changes only with the call that
 carries ``weight_version`` (the last bucket), never before its tensors are in.
+
+An engine spanning several ranks (``engines.engine_ranks``) applies each
+bucket on every rank, each taking its tensor-parallel slice: rank j opens
+``serialized_named_tensors[j]`` (SGLang's rule), and for broadcasts every
+rank joins the trainer's group as ``rank_offset + j`` and receives.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import ray
 import torch
 
+from engines import tensor_parallel as tpar
 from engines import weight_receiver as wr
 from engines.types import UpdateWeightsResult
 from engines.weights import WeightLoadError
@@ -28,17 +35,22 @@ _control = ray.method(concurrency_group="control")
 
 
 class InMemoryUpdates:
-    """Mixed into EmbeddedEngine; uses its _model, _device, _cond, _step_lock."""
+    """Mixed into EmbeddedEngine; uses its _model, _device, _cfg, _ranks, _cond, _step_lock."""
 
     _groups: dict[str, Any]
     _update_open: bool = False
 
     def _apply(
-        self, named: list[tuple[str, torch.Tensor]], weight_version, flush_cache
+        self,
+        copy: Callable[[], tuple[int, int]],
+        weight_version: str | None,
+        flush_cache: bool,
     ) -> UpdateWeightsResult:
+        """Run ``copy`` (copies one bucket on every rank; returns tensors and bytes
+        of rank 0) under the step lock, then set the version if given."""
         try:
             with self._step_lock:
-                nbytes = wr.copy_into(self._model, named)
+                ntensors, nbytes = copy()
                 with self._cond:
                     if weight_version is not None:
                         self._weight_version = str(weight_version)
@@ -47,7 +59,7 @@ class InMemoryUpdates:
             return {"success": False, "message": str(e), "num_paused_requests": 0}
         if flush_cache:
             self.flush_cache()
-        msg = f"copied {len(named)} tensors ({nbytes} bytes); version {self._weight_version}"
+        msg = f"copied {ntensors} tensors ({nbytes} bytes); version {self._weight_version}"
         return {"success": True, "message": msg, "num_paused_requests": paused}
 
     @_control
@@ -63,11 +75,26 @@ class InMemoryUpdates:
         read; it frees it once this call has returned."""
         if load_format != "flattened_bucket":
             raise ValueError(f"load_format={load_format!r}: only 'flattened_bucket' is supported")
-        named = []
-        for handle in serialized_named_tensors:
-            named.extend(wr.named_tensors(wr.open_bucket(handle, self._device)))
-        result = self._apply(named, weight_version, flush_cache)
-        del named  # drop the views of shared memory / IPC tensors before the producer frees them
+        tp = self._cfg.tp_size
+        if len(serialized_named_tensors) != tp:
+            raise ValueError(
+                f"got {len(serialized_named_tensors)} tensor handles for an engine of tp_size={tp}: "
+                "give one per rank (rank j loads handle j)"
+            )
+        named = wr.named_tensors(wr.open_bucket(serialized_named_tensors[0], self._device))
+
+        def copy() -> tuple[int, int]:
+            refs = []
+            if self._ranks is not None:
+                refs = self._ranks.submit_each(
+                    "apply_handle", [(h,) for h in serialized_named_tensors[1:]]
+                )
+            nbytes = wr.copy_into(self._model, tpar.shard_named(named, 0, tp))
+            ray.get(refs)
+            return len(named), nbytes
+
+        result = self._apply(copy, weight_version, flush_cache)
+        named.clear()  # drop the views of shared memory / IPC tensors before the producer frees them
         return result
 
     @_control
@@ -80,14 +107,24 @@ class InMemoryUpdates:
         group_name: str,
         backend: str = "gloo",
     ) -> dict[str, Any]:
-        """Join the broadcast group of trainer rank 0 as rank ``rank_offset`` (this
-        engine has one rank). A group of the same name is replaced."""
+        """Join the broadcast group of trainer rank 0: rank j of this engine as
+        ``rank_offset + j``. A group of the same name is replaced."""
         if not hasattr(self, "_groups"):
             self._groups = {}
         self.destroy_weights_update_group(group_name)
+        joins = []
+        if self._ranks is not None:
+            joins = self._ranks.submit_each(
+                "join_update_group",
+                [
+                    (master_address, master_port, rank_offset + j, world_size, group_name, backend)
+                    for j in range(1, self._cfg.tp_size)
+                ],
+            )
         self._groups[group_name] = wr.make_group(
             master_address, master_port, rank_offset, world_size, group_name, backend
         )
+        ray.get(joins)
         return {"success": True, "message": f"joined {group_name} as rank {rank_offset}"}
 
     @_control
@@ -99,6 +136,8 @@ class InMemoryUpdates:
         pg = getattr(self, "_groups", {}).pop(group_name, None)
         if pg is not None:
             wr.destroy_group(pg)
+            if self._ranks is not None:
+                ray.get(self._ranks.submit("leave_update_group", group_name))
         return {"success": True, "message": f"{group_name} destroyed" if pg else "no such group"}
 
     @_control
@@ -118,8 +157,20 @@ class InMemoryUpdates:
             raise RuntimeError(
                 f"no weight-update group {group_name!r}: call init_weights_update_group first"
             )
-        buckets = wr.receive_bucket(pg, wr.metadata_of(names, dtypes, shapes), self._device)
-        return self._apply(wr.named_tensors(buckets), weight_version, flush_cache)
+        metas = wr.metadata_of(names, dtypes, shapes)
+
+        def copy() -> tuple[int, int]:
+            # Every rank receives the same broadcast; the step lock is held from
+            # before it, so no forward runs on a half-received model.
+            refs = []
+            if self._ranks is not None:
+                refs = self._ranks.submit("receive_update", group_name, metas)
+            named = wr.named_tensors(wr.receive_bucket(pg, metas, self._device))
+            nbytes = wr.copy_into(self._model, tpar.shard_named(named, 0, self._cfg.tp_size))
+            ray.get(refs)
+            return len(named), nbytes
+
+        return self._apply(copy, weight_version, flush_cache)
 
     @_control
     def begin_weight_update(self) -> dict[str, Any]:
@@ -136,7 +187,10 @@ class InMemoryUpdates:
         """sha256 over (name, dtype, shape, bytes) of the model's state dict, sorted by name."""
         h = hashlib.sha256()
         with self._step_lock:
-            for name, t in sorted(self._model.state_dict().items()):
+            state = {n: t.detach().to("cpu") for n, t in self._model.state_dict().items()}
+            if self._ranks is not None:  # the full tensors, as a single-rank engine holds them
+                state = self._ranks.gather_state(state)
+            for name, t in sorted(state.items()):
                 t = t.detach().to("cpu").contiguous()
                 h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
                 h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

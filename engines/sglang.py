@@ -55,10 +55,12 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def launch_args(model_path: str, sc: SGLangConfig, port: int, weight_version: int) -> list[str]:
+def launch_args(
+    model_path: str, sc: SGLangConfig, tp_size: int, port: int, weight_version: int
+) -> list[str]:
     """``launch_server`` arguments (SGLang 0.5.x names) for one engine."""
     args = ["--model-path", model_path, "--host", sc.host, "--port", str(port)]
-    args += ["--tp-size", str(sc.tp_size), "--weight-version", str(weight_version)]
+    args += ["--tp-size", str(tp_size), "--weight-version", str(weight_version)]
     if sc.mem_fraction_static is not None:
         args += ["--mem-fraction-static", str(sc.mem_fraction_static)]
     return args + list(sc.extra_args)
@@ -81,7 +83,7 @@ class SGLangEngine:
         host = "127.0.0.1" if sc.host in ("0.0.0.0", "::") else sc.host
         self.url = f"http://{host}:{port}"
         prefix = sc.launch_command or [sys.executable, "-m", "sglang.launch_server"]
-        self.command = [*prefix, *launch_args(model_path, sc, port, weight_version)]
+        self.command = [*prefix, *launch_args(model_path, sc, cfg.tp_size, port, weight_version)]
         log_dir = Path(sc.log_dir or tempfile.mkdtemp(prefix="prefect-rl-sglang-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = str(log_dir / f"engine-{engine_id}.log")

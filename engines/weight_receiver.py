@@ -13,6 +13,7 @@ Never decides versions and never frees the producer's memory.
 from __future__ import annotations
 
 import pickle
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -95,6 +96,13 @@ def metadata_of(
     return list(groups.values())
 
 
+def free_port() -> int:
+    """A free TCP port on this host, for a group's TCPStore."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def make_group(
     master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str
 ) -> Any:
@@ -147,3 +155,8 @@ def destroy_group(pg: Any) -> None:
                 return
             except Exception:  # an already broken group is being dropped anyway
                 pass
+
+
+def all_reduce(pg: Any, tensor: torch.Tensor) -> None:
+    """Sum ``tensor`` in place over ``pg`` (the engine's tensor-parallel group)."""
+    pg.allreduce([tensor]).wait()

@@ -176,14 +176,17 @@ class TrainActor:
         self._require_model()
         version = self._iteration
         named = bt.iter_full_tensors(self.model)
-        if self.rank != 0:
-            for _ in named:  # join each all-gather; only rank 0 sends
-                pass
-            return None
         t0 = time.perf_counter()
         if transport == "tensor":
-            out = ws.send_tensor(engine, named, version, bucket_bytes, flush_cache)
+            gather = ws.HandleGather(
+                self.rank, self.world_size, ws.engine_ranks(engine), self._gloo_group()
+            )
+            out = ws.send_tensor(engine, named, version, bucket_bytes, flush_cache, gather)
         elif transport == "distributed":
+            if self.rank != 0:
+                for _ in named:  # join each all-gather; only rank 0 sends
+                    pass
+                return None
             if getattr(self, "_broadcast", None) is None:
                 self._broadcast = ws.BroadcastSender()
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -191,8 +194,23 @@ class TrainActor:
                 engine, named, version, bucket_bytes, flush_cache, group_name, backend
             )
         else:
-            raise ValueError(f"transport={transport!r}: push_weights does 'tensor' or 'distributed'")
+            raise ValueError(
+                f"transport={transport!r}: push_weights does 'tensor' or 'distributed'"
+            )
+        if out is None:
+            return None
         return {"version": version, "transport": transport, "s": time.perf_counter() - t0, **out}
+
+    def _gloo_group(self) -> Any:
+        """A gloo group over all train ranks (the handles of a tensor push travel on
+        it even when training runs NCCL); None with one rank. Made once, collectively."""
+        if self.world_size == 1:
+            return None
+        if getattr(self, "_gloo", None) is None:
+            import torch.distributed as dist
+
+            self._gloo = dist.new_group(backend="gloo")
+        return self._gloo
 
     def offload(self) -> None:
         """Move weights, optimizer state and the reference model to CPU (frees the

@@ -6,8 +6,12 @@ engine actor:
 - ``tensor``: on CPU the bucket's flat tensors go into one /dev/shm file
   (64-byte aligned parts) that the engine maps; on GPU each flat tensor goes
   as a CUDA IPC handle (``torch.multiprocessing`` reductions, as SGLang and
-  slime do). The producer keeps the file / tensor until the engine's call has
-  returned (its ack), then frees it.
+  slime do). An engine spanning several ranks gets one handle per rank (rank
+  j loads handle j): train rank ``j % world`` makes engine rank j's handle on
+  its own device (colocated: the same GPU), and the handles are gathered to
+  train rank 0 over gloo (slime's ``UpdateWeightFromTensor``), which calls
+  the engine. The producers keep their file / tensor until rank 0 has the
+  engine's reply (its ack), then free it.
 - ``distributed``: metadata by actor call, tensors by broadcast over a
   standalone process group {trainer rank 0, engine rank(s)}, one group per
   engine so each engine's reload is its own retriable task. A group whose
@@ -21,7 +25,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
@@ -29,6 +32,7 @@ from typing import Any
 
 import ray
 import torch
+import torch.distributed as dist
 
 from engines import weight_receiver as wr
 from engines.flat_bucket import FlatBucket, flatten, iter_buckets
@@ -102,39 +106,88 @@ def _check(reply: dict[str, Any], what: str) -> None:
         raise RuntimeError(f"engine refused {what}: {reply.get('message')}")
 
 
+def engine_ranks(engine: Any) -> int:
+    """How many ranks (tensor-parallel size) the engine actor spans."""
+    return int(ray.get(engine.model_info.remote()).get("tp_size", 1))
+
+
+class HandleGather:
+    """The train ranks' side of one tensor push: who makes a handle, and the
+    gloo collectives that bring the handles to rank 0 and its ack back."""
+
+    def __init__(self, rank: int, world: int, engine_ranks: int, group: Any = None) -> None:
+        self.rank, self.world, self.engine_ranks = rank, world, engine_ranks
+        self.group = group  # a gloo group over all train ranks; None with one rank
+
+    @property
+    def producer(self) -> bool:
+        """This rank makes the handle of engine rank(s) j with j % world == rank."""
+        return self.rank < min(self.world, self.engine_ranks)
+
+    def to_rank0(self, handle: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+        """On rank 0: one handle per engine rank; elsewhere None."""
+        if self.world == 1:
+            by_train_rank = [handle]
+        else:
+            by_train_rank = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(handle, by_train_rank, dst=0, group=self.group)
+            if self.rank != 0:
+                return None
+        return [by_train_rank[j % self.world] for j in range(self.engine_ranks)]
+
+    def ack(self, error: str | None) -> str | None:
+        """Rank 0's outcome of the engine call, on every rank."""
+        if self.world == 1:
+            return error
+        box = [error]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
 def send_tensor(
-    engine: Any, named: NamedTensors, version: int, bucket_bytes: int, flush_cache: bool
-) -> dict[str, Any]:
-    """Hand every bucket to ``engine`` (same host); returns bytes and bucket count."""
+    engine: Any,
+    named: NamedTensors,
+    version: int,
+    bucket_bytes: int,
+    flush_cache: bool,
+    gather: HandleGather,
+) -> dict[str, Any] | None:
+    """Hand every bucket to ``engine`` (same host). Collective over the train ranks
+    (each iterates the same full tensors); rank 0 returns bytes and bucket count."""
     nbytes = nbuckets = 0
     for bucket, last in _with_last(iter_buckets(named, bucket_bytes)):
         flats = flatten(bucket)
         on_gpu = flats[0].flat.is_cuda
-        segment = None if on_gpu else ShmSegment(flats)
+        segment = None if on_gpu or not gather.producer else ShmSegment(flats)
+        error = None
         try:
-            handle = _ipc_handle(flats) if on_gpu else segment.handle
-            reply = ray.get(
-                engine.update_weights_from_tensor.remote(
-                    [handle],
-                    flush_cache=flush_cache and last,
-                    weight_version=str(version) if last else None,
-                )
-            )
+            mine = None
+            if gather.producer:
+                mine = _ipc_handle(flats) if on_gpu else segment.handle
+            handles = gather.to_rank0(mine)
+            if handles is not None:
+                try:
+                    reply = ray.get(
+                        engine.update_weights_from_tensor.remote(
+                            handles,
+                            flush_cache=flush_cache and last,
+                            weight_version=str(version) if last else None,
+                        )
+                    )
+                    _check(reply, f"bucket {nbuckets} of v{version}")
+                except Exception as e:  # every rank must hear of it, or they would wait
+                    error = f"{type(e).__name__}: {e}"
+            error = gather.ack(error)
         finally:  # the engine has copied (or failed): the producer's memory may go
             if segment is not None:
                 segment.close()
             if on_gpu:
                 torch.cuda.synchronize()
-        _check(reply, f"bucket {nbuckets} of v{version}")
+        if error is not None:
+            raise RuntimeError(error)
         nbytes += sum(b.flat.numel() * b.flat.element_size() for b in flats)
         nbuckets += 1
-    return {"bytes": nbytes, "buckets": nbuckets}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    return {"bytes": nbytes, "buckets": nbuckets} if gather.rank == 0 else None
 
 
 class BroadcastSender:
@@ -149,9 +202,10 @@ class BroadcastSender:
             return pg
         if pg is not None:  # the engine was restarted: its end of the group is gone
             wr.destroy_group(self.groups.pop(group_name))
-        addr, port = ray.util.get_node_ip_address(), _free_port()
-        joined = engine.init_weights_update_group.remote(addr, port, 1, 2, group_name, backend)
-        pg = wr.make_group(addr, port, 0, 2, group_name, backend)
+        addr, port = ray.util.get_node_ip_address(), wr.free_port()
+        world = 1 + engine_ranks(engine)  # trainer rank 0 plus every engine rank
+        joined = engine.init_weights_update_group.remote(addr, port, 1, world, group_name, backend)
+        pg = wr.make_group(addr, port, 0, world, group_name, backend)
         _check(ray.get(joined), f"init_weights_update_group({group_name})")
         self.groups[group_name] = pg
         return pg
