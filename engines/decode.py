@@ -164,9 +164,8 @@ def _decode_loop(runner, rows, ids, mask, pos, device, between_steps, lock) -> N
     live = list(range(len(rows)))  # indices into rows, aligned with the batch dim
     next_pos = pos[:, -1] + 1
     while True:
-        # One device->host copy per step, then sampling on CPU: no per-row
-        # syncs on GPU, and a seed gives the same draw on CPU and GPU.
-        logits = logits.float().cpu()
+        # Sampling runs batched on the logits' device; only the B tokens and
+        # logprobs come back to the host (one sync per step).
         step_tokens, step_lps = sample_rows(
             logits, [rows[r].params for r in live], [rows[r].generator for r in live]
         )

@@ -16,8 +16,9 @@ from engines.types import SamplingParams
 def make_generator(seed: int) -> torch.Generator:
     """A CPU generator owned by one request, seeded only by its sampling_seed.
 
-    Sampling always runs on CPU (the decode loop copies each step's logits
-    to host), so the same seed draws the same way on any device.
+    Each step draws one uniform number per row from it on CPU, whatever device
+    the logits are on, so the same seed draws the same way on any device (up
+    to float rounding of the cumulative sums).
     """
     g = torch.Generator(device="cpu")
     g.manual_seed(seed)
@@ -28,68 +29,65 @@ def sample_row(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> tuple[int, float]:
     """Draw one token from one row's logits ``[V]``; return (token_id, logprob).
-
-    The logprob is ``log_softmax(logits / temperature)[token]``: the
-    temperature-scaled distribution the token was drawn from. With top_p < 1
-    the draw is from the nucleus renormalised, but the reported logprob is
-    still under the full temperature-scaled distribution, which is what a
-    trainer recomputes. With temperature <= 0 (greedy) it is under the
-    unscaled distribution (temperature 1).
-    """
-    logits = logits.float()
-    if params.temperature <= 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        tok = int(torch.argmax(logits))
-        return tok, float(logp[tok])
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)
-    probs = logp.exp()
-    if params.top_k > 0:
-        probs = _top_k(probs, params.top_k)
-    if params.top_p < 1.0:
-        probs = _nucleus(probs, params.top_p)
-    tok = int(torch.multinomial(probs, 1, generator=generator))
-    return tok, float(logp[tok])
+    The same draw as that row gets from ``sample_rows``."""
+    tokens, logprobs = sample_rows(logits[None], [params], [generator])
+    return tokens[0], logprobs[0]
 
 
+@torch.no_grad()
 def sample_rows(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
 ) -> tuple[list[int], list[float]]:
-    """``sample_row`` for every row of ``logits [B, V]`` at once; same draws and logprobs.
+    """Draw one token per row of ``logits [B, V]``; return tokens and logprobs.
 
-    The softmax runs once over the batch (row-wise, so a row's values do not
-    depend on its neighbours); only the draw itself is per row, from the
-    row's own generator.
+    The logprob is ``log_softmax(logits / temperature)[token]``: the
+    temperature-scaled distribution the token was drawn from. With top-k/top-p
+    the draw is from the kept tokens renormalised, but the reported logprob is
+    still under the full temperature-scaled distribution, which is what a
+    trainer recomputes. With temperature <= 0 (greedy) it is under the
+    unscaled distribution (temperature 1).
+
+    The draw is by inverse CDF: one uniform number per row from the row's own
+    generator, then a batched ``searchsorted`` on the logits' device. Only B
+    tokens and B logprobs leave the device, never the ``[B, V]`` logits, and
+    every operation is row-wise, so a row's draw does not depend on its
+    neighbours in the batch.
     """
+    device = logits.device
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
-    logp = torch.log_softmax(logits.float() / temps[:, None], dim=-1)
-    probs = logp.exp()
-    tokens = []
-    for b, (p, g) in enumerate(zip(params, generators)):
-        if p.temperature <= 0:
-            tokens.append(int(torch.argmax(logits[b])))
-            continue
-        row = _top_k(probs[b], p.top_k) if p.top_k > 0 else probs[b]
-        row = _nucleus(row, p.top_p) if p.top_p < 1.0 else row
-        tokens.append(int(torch.multinomial(row, 1, generator=g)))
-    picked = logp[torch.arange(len(tokens)), torch.tensor(tokens)]
-    return tokens, picked.tolist()
+    logp = torch.log_softmax(logits.float() / temps.to(device)[:, None], dim=-1)
+    greedy = torch.tensor([p.temperature <= 0 for p in params], device=device)
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    cdf = torch.cumsum(_filtered(logp.exp(), params).double(), dim=-1)
+    # u scaled by the row's kept mass: renormalising without dividing every entry.
+    target = (u.to(device) * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
+    tokens = torch.where(greedy, logits.argmax(-1), idx.squeeze(-1))
+    picked = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens.tolist(), picked.tolist()
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero all but the smallest set of top tokens whose mass reaches top_p."""
-    sorted_p, order = torch.sort(probs, descending=True)
-    # Keep a token if the mass before it is still below top_p; the top token
-    # is always kept, so the result is never empty.
-    before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-    sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))
-    kept = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return kept / kept.sum()
-
-
-def _top_k(probs: torch.Tensor, k: int) -> torch.Tensor:
-    """Zero all but the k most likely tokens, renormalised (SGLang applies top-k before top-p)."""
-    if k >= probs.shape[-1]:
+def _filtered(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``probs`` with all but each row's top-k, then top-p, tokens zeroed (SGLang's
+    order), not renormalised. The order of the vocabulary is kept, so a row is
+    drawn the same way whether or not its neighbours filter; the sort over the
+    vocabulary only runs when some row filters (not the common RL case)."""
+    vocab = probs.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [min(p.top_p, 1.0) for p in params]
+    if min(top_k) == vocab and min(top_p) == 1.0:
         return probs
-    kth = torch.topk(probs, k).values[-1]
-    kept = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    return kept / kept.sum()
+    device = probs.device
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device)[None, :]
+    in_k = rank < torch.tensor(top_k, device=device)[:, None]
+    sorted_p = torch.where(in_k, sorted_p, 0.0)
+    sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+    # Keep a token while the mass before it is below top_p; the top token is
+    # always kept, so no row is ever empty.
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    in_p = before < torch.tensor(top_p, device=device, dtype=before.dtype)[:, None]
+    no_filter = torch.tensor([k == vocab and p == 1.0 for k, p in zip(top_k, top_p)], device=device)
+    keep_sorted = (in_k & in_p) | no_filter[:, None]
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return torch.where(keep, probs, 0.0)

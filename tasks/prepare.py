@@ -120,7 +120,7 @@ def connect_ray(cfg: RunConfig) -> None:
     # A local cluster. Logical CPUs: actors reserve their bundles, and the Prefect
     # tasks running as Ray tasks need room beside them on a 2-core machine.
     need = (
-        cfg.engines.num_engines * cfg.engines.num_cpus_per_engine
+        cfg.engines.num_engines * cfg.engines.tp_size * cfg.engines.num_cpus_per_engine
         + cfg.train.num_workers * cfg.train.num_cpus_per_worker
     )
     # address="local": never join a cluster someone else started on this machine.

@@ -32,3 +32,18 @@ def test_batched_equals_single_rows():
             assert lps[b] == pytest.approx(float(ref), abs=1e-6)
         assert toks[2] == int(torch.argmax(logits[2]))
         assert toks[3] == int(torch.argmax(logits[3]))
+
+
+def test_draws_follow_the_filtered_distribution():
+    probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    logits = probs.log()[None].repeat(4000, 1)
+    cases = {
+        "full": (SamplingParams(temperature=1.0), probs),
+        "top_k=2": (SamplingParams(temperature=1.0, top_k=2), torch.tensor([0, 4, 0, 3, 0]) / 7),
+        "top_p=0.6": (SamplingParams(temperature=1.0, top_p=0.6), torch.tensor([0, 4, 0, 3, 0]) / 7),
+    }
+    for name, (p, want) in cases.items():
+        gens = [make_generator(i) for i in range(len(logits))]
+        toks, _ = sample_rows(logits, [p] * len(logits), gens)
+        freq = torch.bincount(torch.tensor(toks), minlength=5).float() / len(toks)
+        assert torch.allclose(freq, want, atol=0.03), (name, freq, want)
