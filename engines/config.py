@@ -49,7 +49,7 @@ class EngineConfig(BaseModel):
     local_cache_dir: str | None = Field(
         None, description="Pull each version here before reloading (needed for remote storage)"
     )
-    pause_mode: Literal["abort", "in_place"] = "in_place"
+    pause_mode: Literal["abort", "in_place", "retract"] = "in_place"
     health_timeout_s: float = Field(30.0, gt=0)
     batch_wait_s: float = Field(
         0.005, ge=0, description="How long a non-full batch waits for more requests to join"

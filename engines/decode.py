@@ -74,16 +74,29 @@ class Row:
 
 
 def _left_pad(rows: list[Row], pad_id: int, device: torch.device):
-    width = max(len(r.prompt) for r in rows)
+    # A retracted row resumes by prefilling its prompt plus what it generated.
+    contexts = [r.prompt + r.output_ids for r in rows]
+    width = max(map(len, contexts))
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt, dtype=torch.long)
-        mask[i, width - len(r.prompt) :] = 1
+    for i, ctx in enumerate(contexts):
+        ids[i, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
+        mask[i, width - len(ctx) :] = 1
     # Positions count real tokens only, so a row sees the same positions
     # whatever padding its batch needs.
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return ids.to(device), mask.to(device), pos.to(device)
+
+
+class Retract:
+    """``between_steps`` returns RETRACT to stop decoding and leave the live rows
+    unfinished (their KV cache is dropped; the caller queues them again)."""
+
+    def __repr__(self) -> str:
+        return "RETRACT"
+
+
+RETRACT = Retract()
 
 
 @functools.cache
@@ -138,14 +151,15 @@ def decode(
     rows: list[Row],
     pad_id: int,
     device: torch.device,
-    between_steps: Callable[[], str | None] = lambda: None,
+    between_steps: Callable[[], str | Retract | None] = lambda: None,
     step_lock: contextlib.AbstractContextManager | None = None,
 ) -> None:
     """Decode ``rows`` in place until each has a finish reason.
 
     ``between_steps`` runs before every forward after the prefill; it may
     block (pause in place) and returns an abort message to end all live rows
-    with finish reason abort, or None to go on.
+    with finish reason abort, ``RETRACT`` to return with the live rows
+    unfinished, or None to go on.
     """
     lock = step_lock if step_lock is not None else contextlib.nullcontext()
     ids, mask, pos = _left_pad(rows, pad_id, device)
@@ -182,6 +196,8 @@ def _decode_loop(runner, rows, ids, mask, pos, device, between_steps, lock) -> N
             live = [live[b] for b in keep]
             step_tokens = [step_tokens[b] for b in keep]
         abort = between_steps()
+        if abort is RETRACT:
+            return
         if abort is not None:
             for r in live:
                 rows[r].finish = {"type": "abort", "message": abort}

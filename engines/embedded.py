@@ -21,8 +21,12 @@ Versions and pausing:
   worker is idle.
 - ``pause_generation("in_place")`` parks the worker between two decode steps,
   keeping every request's KV cache; it returns once the worker is parked.
-  ``"retract"`` behaves like ``"in_place"`` here (there is no KV memory
-  pressure to retract for).
+- ``pause_generation("retract")`` stops the running requests at the next
+  step boundary, drops their KV cache and puts them back at the head of the
+  queue with the tokens they have; after ``continue_generation`` they are
+  prefilled again (prompt + tokens so far) and go on with the same sampling
+  generator, so an unchanged model gives the same tokens as no pause did.
+  After a weight update they go on under the new weights, KV recomputed.
 - A weight update while parked in place is applied at once; the parked
   requests then continue on the *new* weights with their old KV cache (SGLang's
   semantics), so their ``weight_version_end`` differs from ``weight_version``.
@@ -47,7 +51,7 @@ from transformers import AutoTokenizer
 
 from engines import tensor_parallel as tpar
 from engines.config import EngineConfig
-from engines.decode import ModelRunner, Row, decode
+from engines.decode import RETRACT, ModelRunner, Retract, Row, decode
 from engines.engine_ranks import EngineRanks, TPRunner, engine_device, load_model
 from engines.memory_updates import InMemoryUpdates
 from engines.sampling import make_generator
@@ -117,7 +121,9 @@ class EmbeddedEngine(InMemoryUpdates):
         self._eos = self._eos_ids()
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # held by each forward and by weight swaps
-        self._queue: deque[tuple[_Call, int, list[int], SamplingParams]] = deque()
+        # (call, index in call, prompt, params, the Row of a retracted request or None)
+        self._queue: deque[tuple[_Call, int, list[int], SamplingParams, Row | None]] = deque()
+        self._retract = False  # paused with mode "retract"
         self._paused = False
         self._parked = False  # worker is waiting between two steps (paused in place)
         self._inflight = 0  # rows the worker is decoding now
@@ -169,7 +175,7 @@ class EmbeddedEngine(InMemoryUpdates):
             while self._paused:
                 self._cond.wait()
             for i, (prompt, sp) in enumerate(zip(input_ids, parsed)):
-                self._queue.append((call, i, list(prompt), sp))
+                self._queue.append((call, i, list(prompt), sp, None))
             self._cond.notify_all()
         call.done.wait()
         if call.error is not None:
@@ -188,8 +194,8 @@ class EmbeddedEngine(InMemoryUpdates):
                 ]
                 self._inflight = len(batch)
                 epoch = self._abort_epoch
-                rows = [self._row(prompt, sp) for _, _, prompt, sp in batch]
-                self._running = [(call, i, row) for (call, i, _, _), row in zip(batch, rows)]
+                rows = [row or self._row(prompt, sp) for _, _, prompt, sp, row in batch]
+                self._running = [(call, i, row) for (call, i, *_), row in zip(batch, rows)]
             error = None
             try:
                 decode(
@@ -206,8 +212,13 @@ class EmbeddedEngine(InMemoryUpdates):
             with self._cond:
                 self._inflight = 0
                 self._running = []
-                for (call, i, _, _), row in zip(batch, rows):
-                    self._deliver(call, i, row, error)
+                retracted = []
+                for item, row in zip(batch, rows):
+                    if error is None and row.finish is None and self._abort_epoch == epoch:
+                        retracted.append((*item[:4], row))
+                    else:
+                        self._deliver(item[0], item[1], row, error)
+                self._queue.extendleft(reversed(retracted))  # first in line, in their order
                 self._cond.notify_all()
 
     def _gather(self) -> None:
@@ -259,16 +270,22 @@ class EmbeddedEngine(InMemoryUpdates):
         pad = self._tokenizer.pad_token_id
         return pad if pad is not None else next(iter(self._eos), 0)
 
-    def _between_steps(self, epoch: int) -> str | None:
-        """Decode hook: park while paused in place; report an abort."""
+    def _between_steps(self, epoch: int) -> str | Retract | None:
+        """Decode hook: park while paused in place; retract; report an abort."""
         with self._cond:
-            if self._paused and self._abort_epoch == epoch:
+
+            def holding() -> bool:  # paused in place, and nothing ended the batch
+                return self._paused and not self._retract and self._abort_epoch == epoch
+
+            if holding():
                 self._parked = True
                 self._cond.notify_all()
-                while self._paused and self._abort_epoch == epoch:
+                while holding():
                     self._cond.wait()
                 self._parked = False
-            return self._abort_msg if self._abort_epoch != epoch else None
+            if self._abort_epoch != epoch:
+                return self._abort_msg
+            return RETRACT if self._paused and self._retract else None
 
     def _deliver(self, call: _Call, i: int, row: Row, error: str | None) -> None:
         """Store one finished row (caller holds the condition)."""
@@ -290,8 +307,8 @@ class EmbeddedEngine(InMemoryUpdates):
         self._abort_epoch += 1
         self._abort_msg = message
         while self._queue:
-            call, i, prompt, sp = self._queue.popleft()
-            row = self._row(prompt, sp)
+            call, i, prompt, sp, row = self._queue.popleft()
+            row = row or self._row(prompt, sp)
             row.finish = {"type": "abort", "message": message}
             self._deliver(call, i, row, None)
         self._cond.notify_all()
@@ -305,16 +322,20 @@ class EmbeddedEngine(InMemoryUpdates):
             raise ValueError(f"mode={mode!r}: use 'abort', 'in_place' or 'retract'")
         with self._cond:
             self._paused = True
+            self._retract = mode == "retract"
             if mode == "abort":
                 self._abort_all("aborted by pause_generation")
             self._cond.notify_all()
-            while self._inflight and not self._parked:
+            # In place: until the worker parks. Retract or abort: until it has let go
+            # of its batch.
+            while self._inflight and not (self._parked and not self._retract):
                 self._cond.wait()
 
     @_control
     def continue_generation(self) -> None:
         with self._cond:
             self._paused = False
+            self._retract = False
             self._cond.notify_all()
 
     @_control
@@ -432,25 +453,35 @@ class EmbeddedEngine(InMemoryUpdates):
 
     @_control
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
-        """Move the weights to host memory (GPU only; a no-op on CPU).
+        """Free the weights' device memory for a colocated trainer (``engines.device_memory``:
+        torch_memory_saver where installed, else moved to host memory; on CPU only
+        the state changes, so colocated runs make the same calls everywhere).
 
         ``tags`` is accepted for API compatibility; weights are the only state
-        this engine holds between requests. Pause generation first.
+        this engine holds between requests. Idle engines only: a forward needs
+        the weights (the colocated steps wake engines before they generate).
+        Idempotent; the reply adds the memory report (``state``, ``mode`` ...).
         """
+        from engines.device_memory import actor_memory
+
         with self._step_lock:
-            if self._device.type == "cuda" and not self._released:
-                self._model.to("cpu")
-                torch.cuda.empty_cache()
+            report = actor_memory(self, self._device, "weights").sleep([self._model])
+            if self._ranks is not None:
+                ray.get(self._ranks.submit("release"))
             self._released = True
-        return {"success": True, "message": f"released (device={self._device})"}
+        return {"success": True, "message": f"released (device={self._device})", **report}
 
     @_control
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Undo ``release_memory_occupation``: the weights are back, unchanged. Idempotent."""
+        from engines.device_memory import actor_memory
+
         with self._step_lock:
-            if self._device.type == "cuda" and self._released:
-                self._model.to(self._device)
+            report = actor_memory(self, self._device, "weights").wake([self._model])
+            if self._ranks is not None:
+                ray.get(self._ranks.submit("resume"))
             self._released = False
-        return {"success": True, "message": f"resumed (device={self._device})"}
+        return {"success": True, "message": f"resumed (device={self._device})", **report}
 
     # ---- requests, tokens and the HTTP front door ---------------------------
 
@@ -469,9 +500,9 @@ class EmbeddedEngine(InMemoryUpdates):
                 return n
             n, kept = 0, deque()
             for item in self._queue:
-                call, i, prompt, sp = item
+                call, i, prompt, sp, row = item
                 if call.rids is not None and call.rids[i] == rid:
-                    row = self._row(prompt, sp)
+                    row = row or self._row(prompt, sp)
                     row.finish = {"type": "abort", "message": msg}
                     self._deliver(call, i, row, None)
                     n += 1

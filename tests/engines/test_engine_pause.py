@@ -96,3 +96,43 @@ def test_update_while_paused_in_place_is_recorded(actor, tiny_v1):
         assert r["meta_info"]["weight_version"] == start
         assert r["meta_info"]["weight_version_end"] == new
     assert ray.get(actor.model_info.remote())["weight_version"] == new
+
+
+def test_pause_retract_requeues_and_resumes_the_same_tokens(actor, tiny_dir):
+    assert ray.get(actor.update_weights_from_disk.remote(str(tiny_dir), weight_version="0"))[
+        "success"
+    ]
+    ref = _long(actor, seed0=40)
+    _wait_running(actor)
+    ray.get(actor.pause_generation.remote("retract"))
+    # KV cache dropped: nothing runs, the requests wait at the head of the queue.
+    assert ray.get(actor.get_load.remote()) == {"num_running_reqs": 0, "num_waiting_reqs": ROWS}
+    assert _not_done(ref)
+    ray.get(actor.continue_generation.remote())
+    out = ray.get(ref)
+    for r in out:
+        assert r["meta_info"]["finish_reason"]["type"] == "length"
+        assert r["meta_info"]["completion_tokens"] == LONG["max_new_tokens"]
+        assert len(r["meta_info"]["output_token_logprobs"]) == LONG["max_new_tokens"]
+    # Re-prefilled with what they had, same generators: as if never paused.
+    again = ray.get(_long(actor, seed0=40))
+    assert [r["output_ids"] for r in again] == [r["output_ids"] for r in out]
+
+
+def test_update_while_retracted_continues_on_the_new_weights(actor, tiny_dir, tiny_v1):
+    assert ray.get(actor.update_weights_from_disk.remote(str(tiny_dir), weight_version="0"))[
+        "success"
+    ]
+    ref = _long(actor, seed0=50)
+    _wait_running(actor)
+    ray.get(actor.pause_generation.remote("retract"))
+    res = ray.get(actor.update_weights_from_disk.remote(str(tiny_v1), weight_version="1"))
+    assert res["success"] and res["num_paused_requests"] == 0  # none holds a KV cache
+    ray.get(actor.continue_generation.remote())
+    for r in ray.get(ref):
+        assert r["meta_info"]["weight_version"] == "0"
+        assert r["meta_info"]["weight_version_end"] == "1"
+        assert r["meta_info"]["completion_tokens"] == LONG["max_new_tokens"]
+    assert ray.get(actor.update_weights_from_disk.remote(str(tiny_dir), weight_version="0"))[
+        "success"
+    ]
