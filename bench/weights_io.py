@@ -1,16 +1,37 @@
 """Benchmark: publishing and pulling weight versions vs raw I/O of the same bytes.
 
 For each size: random bf16-sized tensors are written as HF safetensors shards
-through ``WeightsWriter`` (hash while writing, shards overlapped, fsync,
-manifest, rename) and compared with a plain write + fsync of the identical
-shard bytes; ``pull_version`` (verify sha256 while copying into a cache) is
-compared with a raw read of those files, and with a raw copy. With ``--s3``
-the same is done on a moto S3 server: publish/pull vs raw s3fs put/get of the
-same bytes with the same concurrency (16 MiB parts, 8 in flight).
+through ``WeightsWriter`` (sha256 while writing, 2 shards at a time, fsync,
+manifest, rename) and ``pull_version`` copies them into a cache, verifying
+sha256 (from a local root on the same filesystem it hard-links, then reads
+every byte to verify). Baselines, on the same bytes and the same files:
 
-    python bench/weights_io.py --sizes-mb 100 1000 --repeats 3 --s3
+- publish vs "raw write+fsync": write each shard file with plain 1 MiB
+  ``write()`` calls (the size ours uses), 2 files at a time (as ours), fsync
+  each file, fsync the folder. No hashing, no manifest, no rename.
+- pull vs "raw read (page cache)": read every file into one buffer, data cached
+  (it was just published) -- the issue's baseline. No hashing, no copy.
+- pull vs "raw copy": ``shutil.copyfile`` of every file (in-kernel copy).
+- cold rows: the same pull and raw read after the version's pages were evicted
+  (fsync + ``POSIX_FADV_DONTNEED``), so both read from the disk: what a pull
+  from a root on another disk or a network filesystem looks like.
+
+Each op is timed ``repeats`` times interleaved with its baseline (a, b, a, b)
+after one untimed round, and each op first deletes its own previous output.
+That matters on VMs with free-page reporting (Firecracker): page-cache memory
+the host has reclaimed costs ~5 s/GB of sys time on first touch, while memory
+freed a moment ago is still backed. Without this, whichever op happened to
+follow a delete ran several times faster than the other.
+
+With ``--s3`` the same is done on a moto S3 server: publish/pull vs raw s3fs
+put/get of the same bytes with the same concurrency (16 MiB parts, 8 in flight).
+
+    python -m bench.weights_io --sizes-mb 100 1000 --repeats 3 --s3
 
 Prints one markdown table; writes bench/results/weights_io.json. No assertions.
+The last column is this process's CPU seconds per op (all threads, user+sys):
+on a shared machine the wall-clock ratio of a CPU-bound op (anything that
+hashes) moves with the other tenants' load; its CPU seconds do not.
 """
 
 from __future__ import annotations
@@ -18,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -32,7 +54,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from storage import RunStore, S3Options, StorageConfig  # noqa: E402
+from storage import RunStore, S3Options, StorageConfig, is_local  # noqa: E402
+from storage.hashio import write_all  # noqa: E402
 from storage.safetensors_io import (  # noqa: E402
     TensorEntry,
     header_bytes,
@@ -76,41 +99,52 @@ def shard_blobs(entries: list[TensorEntry], shard_size: int) -> dict[str, list[m
     return out
 
 
-def timed(
-    fn: Callable[[], object], repeats: int, setup: Callable[[], None] | None = None
-) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        if setup:
-            setup()
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
+Run = tuple[float, float]  # (wall s, CPU s of this whole process: every thread, user+sys)
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def timed(fn: Callable[[], object], setup: Callable[[], None] | None = None) -> Run:
+    if setup:
+        setup()
+    c, t = _cpu(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t, _cpu() - c
 
 
 def paired(
     fns: list[Callable[[], object]],
     repeats: int,
     setups: list[Callable[[], None] | None] | None = None,
-) -> list[list[float]]:
+) -> list[list[Run]]:
     """Time each fn ``repeats`` times, interleaved (a, b, a, b, ...), so a busy
-    machine slows baseline and candidate alike."""
+    machine slows baseline and candidate alike; one untimed round first."""
     setups = setups or [None] * len(fns)
-    out: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
+    out: list[list[Run]] = [[] for _ in fns]
+    for r in range(repeats + 1):
         for i, fn in enumerate(fns):
-            out[i] += timed(fn, 1, setups[i])
+            run = timed(fn, setups[i])
+            if r:
+                out[i].append(run)
     return out
 
 
 def raw_write(dirpath: str, blobs: dict[str, list]) -> None:
+    """Each file: plain writes in 1 MiB syscalls + fsync; 2 files at a time, as ours."""
     os.makedirs(dirpath, exist_ok=True)
-    for name, pieces in blobs.items():
+
+    def one(name: str) -> None:
         with open(os.path.join(dirpath, name), "wb", buffering=0) as f:
-            for p in pieces:
-                f.write(p)
+            for p in blobs[name]:
+                write_all(f.fileno(), memoryview(p))
             os.fsync(f.fileno())
+
+    with ThreadPoolExecutor(2) as pool:
+        for fut in [pool.submit(one, n) for n in blobs]:
+            fut.result()
     fd = os.open(dirpath, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
@@ -130,14 +164,32 @@ def raw_copy(src: str, dst: str, names: list[str]) -> None:
         shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
 
 
+def evict(dirpath: str, names: list[str]) -> None:
+    """Drop the files' pages from the page cache (they are clean: fsynced at publish)."""
+    for name in names:
+        fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class Fresh:
+    """A scratch folder per call; ``reset`` deletes the previous one first, so the
+    op writes into just-freed page cache (see the module docstring)."""
+
+    def __init__(self, base: str):
+        self.base, self.path = base, os.path.join(base, uuid.uuid4().hex)
+
+    def reset(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.path = os.path.join(self.base, uuid.uuid4().hex)
+
+
 class Bench:
-    def __init__(self, store: RunStore, entries: list[TensorEntry], shard_size: int, repeats: int):
-        self.store, self.entries, self.shard_size, self.repeats = (
-            store,
-            entries,
-            shard_size,
-            repeats,
-        )
+    def __init__(self, store: RunStore, entries: list[TensorEntry], shard_size: int):
+        self.store, self.entries, self.shard_size = store, entries, shard_size
         self.version = 0
 
     def publish(self) -> None:
@@ -146,44 +198,54 @@ class Bench:
         write_hf_shards(w.open, self.entries, self.shard_size, workers=2)
         w.commit()
 
+    def drop_latest(self) -> None:
+        """Delete the previous version (this bench owns the run; gc would keep it)."""
+        if self.version and is_local(self.store.fs):
+            shutil.rmtree(self.store.version_url(self.version))
+
 
 def bench_disk(size_mb: int, repeats: int, shard_mb: int, base: str) -> list[dict]:
     entries = make_entries(size_mb)
     shard_size = shard_mb * MB
     blobs = shard_blobs(entries, shard_size)
     store = RunStore(StorageConfig(root=os.path.join(base, "runs")), f"disk-{size_mb}")
-    b = Bench(store, entries, shard_size, repeats)
-    raw_dir = os.path.join(base, "raw")
-
-    def clean_raw() -> None:
-        shutil.rmtree(raw_dir, ignore_errors=True)
-
+    b = Bench(store, entries, shard_size)
+    raw = Fresh(os.path.join(base, "raw"))
     t_raw_w, t_pub = paired(
-        [lambda: raw_write(raw_dir, blobs), b.publish],
-        repeats,
-        [clean_raw, lambda: store.gc(keep_last=1) if store.committed_versions() else None],
+        [lambda: raw_write(raw.path, blobs), b.publish], repeats, [raw.reset, b.drop_latest]
     )
     v = store.latest_version()
     assert v is not None
     names = [f.name for f in store.read_manifest(v).files]
     vdir = store.local_version_dir(v)
     assert vdir is not None
-    raw_read(vdir, names)  # warm the page cache for both readers alike
-    caches = os.path.join(base, "cache")
+    cp, cache = Fresh(os.path.join(base, "copy")), Fresh(os.path.join(base, "cache"))
     t_raw_r, t_raw_cp, t_pull = paired(
         [
             lambda: raw_read(vdir, names),
-            lambda: raw_copy(vdir, os.path.join(caches, uuid.uuid4().hex), names),
-            lambda: store.pull_version(v, os.path.join(caches, uuid.uuid4().hex)),
+            lambda: raw_copy(vdir, cp.path, names),
+            lambda: store.pull_version(v, cache.path),
         ],
         repeats,
+        [lambda: raw_read(vdir, names), cp.reset, cache.reset],  # both read cached data
     )
-    shutil.rmtree(caches, ignore_errors=True)
-    clean_raw()
+
+    def cold_cache() -> None:
+        cache.reset()
+        evict(vdir, names)
+
+    t_raw_cold, t_pull_cold = paired(
+        [lambda: raw_read(vdir, names), lambda: store.pull_version(v, cache.path)],
+        repeats,
+        [lambda: evict(vdir, names), cold_cache],
+    )
+    for d in (raw, cp, cache):
+        d.reset()
     return [
         row("publish", "disk", size_mb, "raw write+fsync", t_raw_w, t_pub),
         row("pull", "disk", size_mb, "raw read (page cache)", t_raw_r, t_pull),
-        row("pull", "disk", size_mb, "raw copy (read+write)", t_raw_cp, t_pull),
+        row("pull", "disk", size_mb, "raw copy (sendfile)", t_raw_cp, t_pull),
+        row("pull", "disk, cold cache", size_mb, "raw read (cold cache)", t_raw_cold, t_pull_cold),
     ]
 
 
@@ -202,7 +264,7 @@ def bench_s3(size_mb: int, repeats: int, shard_mb: int, base: str) -> list[dict]
             StorageConfig(root="s3://bench/runs", s3=S3Options(endpoint_url=url)), f"s3-{size_mb}"
         )
         fs = store.fs
-        b = Bench(store, entries, shard_size, repeats)
+        b = Bench(store, entries, shard_size)
 
         def raw_put() -> None:
             prefix = f"bench/raw/{uuid.uuid4().hex}"
@@ -251,35 +313,38 @@ def bench_s3(size_mb: int, repeats: int, shard_mb: int, base: str) -> list[dict]
     ]
 
 
-def row(
-    op: str, where: str, size_mb: int, baseline: str, t_raw: list[float], t_ours: list[float]
-) -> dict:
-    raw, ours = statistics.median(t_raw), statistics.median(t_ours)
+def row(op: str, where: str, size_mb: int, baseline: str, raw: list[Run], ours: list[Run]) -> dict:
+    med = statistics.median
+    t_raw, t_ours = med(w for w, _ in raw), med(w for w, _ in ours)
     mb = size_mb * MB / 1e6
     return {
         "op": op,
         "storage": where,
         "size_mb": size_mb,
         "baseline": baseline,
-        "raw_s": t_raw,
-        "ours_s": t_ours,
-        "raw_median_s": raw,
-        "ours_median_s": ours,
-        "raw_MBps": mb / raw,
-        "ours_MBps": mb / ours,
-        "ratio": raw / ours,  # ours as a fraction of raw throughput
+        "raw_s": [w for w, _ in raw],
+        "ours_s": [w for w, _ in ours],
+        "raw_median_s": t_raw,
+        "ours_median_s": t_ours,
+        "raw_cpu_median_s": med(c for _, c in raw),  # process CPU (user+sys, all threads)
+        "ours_cpu_median_s": med(c for _, c in ours),
+        "raw_MBps": mb / t_raw,
+        "ours_MBps": mb / t_ours,
+        "ratio": t_raw / t_ours,  # ours as a fraction of raw throughput
     }
 
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| op | storage | MiB | baseline | baseline MB/s | ours MB/s | ours/baseline |",
-        "|---|---|---|---|---|---|---|",
+        "| op | storage | MiB | baseline | baseline MB/s | ours MB/s | ours/baseline "
+        "| CPU s baseline / ours |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['op']} | {r['storage']} | {r['size_mb']} | {r['baseline']} | "
-            f"{r['raw_MBps']:.0f} | {r['ours_MBps']:.0f} | {r['ratio']:.2f}x |"
+            f"{r['raw_MBps']:.0f} | {r['ours_MBps']:.0f} | {r['ratio']:.2f}x | "
+            f"{r['raw_cpu_median_s']:.2f} / {r['ours_cpu_median_s']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -295,6 +360,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     rows: list[dict] = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="weights-io-") as base:
         for size in args.sizes_mb:
             rows += bench_disk(size, args.repeats, args.shard_mb, base)
@@ -307,6 +373,8 @@ def main() -> None:
         "repeats": args.repeats,
         "shard_mb": args.shard_mb,
         "unit": "MB = 1e6 bytes",
+        "loadavg_before": load_before,  # 1/5/15-min load: the machine is shared
+        "loadavg_after": os.getloadavg(),
     }
     RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"\nwrote {RESULTS}")

@@ -5,6 +5,15 @@ manifest are pulled; each file is hashed while it streams in and re-fetched on
 a mismatch; the cache folder appears (by rename) only when complete, with the
 manifest copied last. Must never write outside ``cache_dir/.tmp-*`` and
 ``cache_dir/v000012``.
+
+From a local root on the same filesystem as the cache, a file is hard-linked
+instead of copied (as ``git clone --local`` does with its immutable objects),
+then verified by reading it. This is safe because committed files are never
+written in place: publishing writes a staging folder and renames it, a
+republish only hashes, and gc unlinks (the cache keeps its link). The one writer
+of cache files is this module, and it unlinks a file before every attempt, so it
+can never write through a link into a committed version. Trade-off: the cache
+is then the same bytes on disk as the version, not a second copy of them.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import fsspec
 
 from storage.errors import IntegrityError, ManifestError
 from storage.fs import dumps, is_local, join
-from storage.hashio import READ_CHUNK, LocalHashingWriter
+from storage.hashio import READ_CHUNK, LocalHashingWriter, hash_file
 from storage.layout import MANIFEST, TMP_PREFIX, version_name
 from storage.types import FileEntry, WeightsManifest
 from storage.weights import parse_manifest
@@ -108,6 +117,9 @@ def _pull_file(
     os.makedirs(os.path.dirname(dst), exist_ok=True)
     last = ""
     for _attempt in range(1 + retries):
+        # A failed attempt may have left a hard link to the committed file here;
+        # writing into it would change the committed version.
+        _unlink(dst)
         try:
             actual = fs.size(src)
         except FileNotFoundError:
@@ -135,9 +147,13 @@ def _copy_hashing(
     pool: ThreadPoolExecutor,
     lookahead: int,
 ) -> tuple[int, str]:
+    """Put ``src`` at ``dst`` (which must not exist) and return its (bytes, sha256)."""
+    if is_local(fs) and _try_link(src, dst):
+        # Costs no copy; verification still reads every byte (of the very file served).
+        return hash_file(dst)
     chunks = _local_chunks(src) if is_local(fs) else _remote_chunks(fs, src, size, pool, lookahead)
     # The hashing writer overlaps sha256 of a chunk with writing it to the cache.
-    out = LocalHashingWriter(os.path.basename(dst), dst)
+    out = LocalHashingWriter(os.path.basename(dst), dst, writeback=False)  # a cache: no fsync
     try:
         for chunk in chunks:
             out.write(chunk)
@@ -147,6 +163,21 @@ def _copy_hashing(
     out.close()
     assert out.sha256 is not None
     return out.bytes, out.sha256
+
+
+def _try_link(src: str, dst: str) -> bool:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem (EXDEV), links not allowed (EPERM), too many (EMLINK)
+        return False
+    return True
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _local_chunks(src: str) -> Iterator[memoryview]:

@@ -230,3 +230,42 @@ def test_transiently_bad_shard_is_refetched(store, tmp_path, monkeypatch):
     d = store.pull_version(1, str(tmp_path / "cache"), retries=2)
     assert calls["n"] == 1
     assert open(os.path.join(d, "model.safetensors"), "rb").read() == files["model.safetensors"]
+
+
+def test_local_pull_links_and_refetch_never_writes_into_the_version(tmp_path, monkeypatch):
+    """From a local root on the same filesystem a pull hard-links the committed files.
+    A retry after a bad attempt must not write through that link: here the first
+    attempt links and fails verification, the second copies (as across filesystems)."""
+    import storage.pull as pull_mod
+    from storage import RunStore, StorageConfig
+
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "r")
+    files = default_files(1)
+    files["big.bin"] = os.urandom(3 << 20)
+    publish(store, 1, files)
+    src = os.path.join(store.local_version_dir(1), "big.bin")
+    d = store.pull_version(1, str(tmp_path / "linked"))
+    assert os.stat(os.path.join(d, "big.bin")).st_ino == os.stat(src).st_ino
+
+    real_copy, real_link = pull_mod._copy_hashing, pull_mod._try_link
+    attempts: list[str] = []
+
+    def first_attempt_bad(fs, s, dst, *a, **kw):
+        n, sha = real_copy(fs, s, dst, *a, **kw)
+        if s.endswith("big.bin") and not attempts:
+            attempts.append("linked, bad")
+            return n, "0" * 64
+        return n, sha
+
+    def link_once(s, dst):
+        return real_link(s, dst) if not attempts else False
+
+    monkeypatch.setattr(pull_mod, "_copy_hashing", first_attempt_bad)
+    monkeypatch.setattr(pull_mod, "_try_link", link_once)
+    d2 = store.pull_version(1, str(tmp_path / "copied"), retries=1)
+    assert attempts == ["linked, bad"]
+    assert os.stat(os.path.join(d2, "big.bin")).st_ino != os.stat(src).st_ino
+    for name, data in files.items():  # the committed version and both caches are intact
+        for folder in (store.local_version_dir(1), d, d2):
+            with open(os.path.join(folder, name), "rb") as f:
+                assert f.read() == data
