@@ -52,7 +52,7 @@ from transformers import AutoTokenizer
 from engines import tensor_parallel as tpar
 from engines.config import EngineConfig
 from engines.decode import RETRACT, ModelRunner, Retract, Row, decode
-from engines.engine_ranks import EngineRanks, TPRunner, engine_device, load_model
+from engines.engine_ranks import EngineRanks, TPRunner, engine_device, load_model, wait_all
 from engines.memory_updates import InMemoryUpdates
 from engines.sampling import make_generator
 from engines.types import GenerateResult, PauseMode, SamplingParams, UpdateWeightsResult
@@ -331,6 +331,14 @@ class EmbeddedEngine(InMemoryUpdates):
             while self._inflight and not (self._parked and not self._retract):
                 self._cond.wait()
 
+    def _paused_requests(self) -> int:
+        """Requests held by a pause (not aborted): parked in place, or retracted to
+        the queue. SGLang's ``num_paused_requests`` (caller holds cond)."""
+        if not self._paused:
+            return 0
+        retracted = sum(row is not None for *_, row in self._queue)
+        return (self._inflight if self._parked else 0) + retracted
+
     @_control
     def continue_generation(self) -> None:
         with self._cond:
@@ -376,24 +384,24 @@ class EmbeddedEngine(InMemoryUpdates):
         try:
             state = tpar.shard_state(read_state_dict(model_path), 0, self._cfg.tp_size)
             check_state_dict(self._model, state)
-            errors = [e for e in ray.get(staged) if e is not None]
+            errors = [e for e in wait_all(staged) if e is not None]
             if errors:
                 raise WeightLoadError("; ".join(errors))
         except (WeightLoadError, OSError) as e:
             if self._ranks is not None:
                 ray.get(self._ranks.submit("drop_staged"))
             with self._cond:
-                paused = self._inflight if self._parked else 0
+                paused = self._paused_requests()
             return {"success": False, "message": str(e), "num_paused_requests": paused}
         with self._step_lock:
             commits = [] if self._ranks is None else self._ranks.submit("commit_staged")
             load_into(self._model, state)
-            ray.get(commits)
+            wait_all(commits)
             with self._cond:
                 if weight_version is not None:
                     self._weight_version = str(weight_version)
                 self._model_path = model_path
-                paused = self._inflight if self._parked else 0
+                paused = self._paused_requests()
         if flush_cache:
             self.flush_cache()
         msg = f"loaded {model_path} as version {self._weight_version}"

@@ -35,6 +35,12 @@ from engines.decode import ModelRunner
 from engines.weights import WeightLoadError, check_state_dict, load_into, read_state_dict
 
 
+def wait_all(refs: list[Any]) -> list[Any]:
+    """``ray.get(refs)``, except that no refs (a single-rank engine) never touches
+    Ray: ``ray.get([])`` would start a Ray instance in an engine used in process."""
+    return ray.get(refs) if refs else []
+
+
 def engine_device(cfg: EngineConfig) -> torch.device:
     use_gpu = cfg.num_gpus_per_engine > 0 and torch.cuda.is_available()
     return torch.device("cuda" if use_gpu else "cpu")
@@ -149,14 +155,15 @@ class EngineRank:
 
     # ---- memory -------------------------------------------------------------
 
-    def release(self) -> None:
-        if self._device.type == "cuda":
-            self._model.to("cpu")
-            torch.cuda.empty_cache()
+    def release(self) -> dict[str, Any]:
+        from engines.device_memory import actor_memory
 
-    def resume(self) -> None:
-        if self._device.type == "cuda":
-            self._model.to(self._device)
+        return actor_memory(self, self._device, "weights").sleep([self._model])
+
+    def resume(self) -> dict[str, Any]:
+        from engines.device_memory import actor_memory
+
+        return actor_memory(self, self._device, "weights").wake([self._model])
 
 
 class EngineRanks:

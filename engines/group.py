@@ -6,7 +6,9 @@ themselves are detached, named Ray actors that any process on the cluster
 finds again by name:
 
 - engine ``i`` is the actor ``{run_name}/engine/{i}`` in ``namespace``, placed
-  on the single bundle of its own placement group ``{run_name}/engine-pg/{i}``;
+  on bundle 0 of its own placement group ``{run_name}/engine-pg/{i}`` (one
+  bundle per rank) or, colocated, on its bundles of the run's shared group
+  (``engines.placement``), which a restart leaves in place;
 - a dead engine is replaced by ``restart``: kill, remove its placement group,
   recreate, and load the version it is told to serve.
 
@@ -37,6 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engines.client import EngineClient
 from engines.config import EngineConfig
 from engines.embedded import GENERATE_CONCURRENCY, actor_class
+from engines.placement import SharedPlacement
 from engines.types import GenerateResult
 
 log = logging.getLogger(__name__)
@@ -47,10 +50,17 @@ RestartFn = Callable[[int], None]
 class EngineGroup:
     """Driver-side handle on a run's engines; holds names and config only."""
 
-    def __init__(self, run_name: str, cfg: EngineConfig, namespace: str = "prefect-rl") -> None:
+    def __init__(
+        self,
+        run_name: str,
+        cfg: EngineConfig,
+        namespace: str = "prefect-rl",
+        placement: SharedPlacement | None = None,
+    ) -> None:
         self.run_name = run_name
         self.cfg = cfg
         self.namespace = namespace
+        self.placement = placement  # colocated: the shared group the engines sit in
         # What start() was given: the fallback for restarts when no peer is alive.
         self.model_path: str | None = None
         self.weight_version: int = 0
@@ -107,9 +117,15 @@ class EngineGroup:
         return h
 
     def shutdown(self) -> None:
-        """Kill every engine and remove its placement group."""
+        """Kill every engine and remove its placement group.
+
+        Colocated, that is the run's shared group: shut the trainer down first,
+        as the end of a run does (any rank still in it dies with it).
+        """
         for i in range(self.cfg.num_engines):
             self._kill(i)
+        if self.placement is not None:
+            self.placement.remove()
 
     def _kill(self, i: int) -> None:
         h = self.handle(i)
@@ -136,35 +152,20 @@ class EngineGroup:
         return None
 
     def _create(self, i: int, model_path: str, weight_version: int) -> ActorHandle:
-        cpus, gpus, tp = (
-            self.cfg.num_cpus_per_engine,
-            self.cfg.num_gpus_per_engine,
-            self.cfg.tp_size,
-        )
-        if self.cfg.kind == "sglang":
-            # The server spawns its own TP processes: one bundle holds all its GPUs.
-            bundles = [{"CPU": cpus, "GPU": gpus * tp}]
-        else:
-            # One bundle per rank; the actor is rank 0 and places the others itself.
-            bundles = [{"CPU": cpus, "GPU": gpus} for _ in range(tp)]
-        if not gpus:
-            for b in bundles:
-                del b["GPU"]
-        pg = self._find_pg(i) or placement_group(
-            bundles, strategy="STRICT_PACK", name=self.pg_name(i), lifetime="detached"
-        )
-        ray.get(pg.ready(), timeout=self.cfg.health_timeout_s)
+        pg, (bundle, *rank_bundles) = self._place(i)
+        gpus = self.cfg.num_gpus_per_engine
         options: dict[str, Any] = dict(
             name=self.actor_name(i),
             namespace=self.namespace,
             lifetime="detached",
-            num_cpus=cpus,
-            num_gpus=bundles[0].get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
+            num_cpus=self.cfg.num_cpus_per_engine,
+            # The SGLang server's TP processes share the actor's reservation.
+            num_gpus=gpus * self.cfg.tp_size if self.cfg.kind == "sglang" else gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle),
         )
         kwargs: dict[str, Any] = {}
-        if self.cfg.kind != "sglang" and tp > 1:
-            kwargs["rank_bundles"] = list(range(1, tp))
+        if rank_bundles:
+            kwargs["rank_bundles"] = rank_bundles
         if self.cfg.kind == "sglang":
             from engines.sglang import actor_class as sglang_actor_class
 
@@ -183,6 +184,31 @@ class EngineGroup:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+
+    def _place(self, i: int) -> tuple[PlacementGroup, list[int]]:
+        """Engine i's placement group and its bundles: the actor's, then its other ranks'."""
+        if self.placement is not None:
+            pg = self.placement.ensure(self.cfg.health_timeout_s)
+            return pg, self.placement.engine_bundles(i)
+        cpus, gpus, tp = (
+            self.cfg.num_cpus_per_engine,
+            self.cfg.num_gpus_per_engine,
+            self.cfg.tp_size,
+        )
+        if self.cfg.kind == "sglang":
+            # The server spawns its own TP processes: one bundle holds all its GPUs.
+            bundles = [{"CPU": cpus, "GPU": gpus * tp}]
+        else:
+            # One bundle per rank; the actor is rank 0 and places the others itself.
+            bundles = [{"CPU": cpus, "GPU": gpus} for _ in range(tp)]
+        if not gpus:
+            for b in bundles:
+                del b["GPU"]
+        pg = self._find_pg(i) or placement_group(
+            bundles, strategy="STRICT_PACK", name=self.pg_name(i), lifetime="detached"
+        )
+        ray.get(pg.ready(), timeout=self.cfg.health_timeout_s)
+        return pg, list(range(len(bundles)))
 
     def _default_restart(self, i: int) -> None:
         """Restart ``i`` with the version a live peer serves, else start()'s."""

@@ -234,7 +234,10 @@ class _Server:
             await self.run(lambda: self.engine.abort_request(abort_all=True))
         res = await self.run(
             lambda: self.engine.update_weights_from_tensor(
-                handles, body.load_format or "flattened_bucket", body.flush_cache, body.weight_version
+                handles,
+                body.load_format or "flattened_bucket",
+                body.flush_cache,
+                body.weight_version,
             )
         )
         return JSONResponse(res, status_code=200 if res["success"] else 400)
@@ -242,7 +245,14 @@ class _Server:
     async def init_weights_update_group(self, request: Request) -> dict:
         self.admin(request)
         b = await parse(request, InitWeightsUpdateGroupBody)
-        args = (b.master_address, b.master_port, b.rank_offset, b.world_size, b.group_name, b.backend)
+        args = (
+            b.master_address,
+            b.master_port,
+            b.rank_offset,
+            b.world_size,
+            b.group_name,
+            b.backend,
+        )
         return await self.run(self.engine.init_weights_update_group, *args)
 
     async def update_weights_from_distributed(self, request: Request) -> JSONResponse:

@@ -28,6 +28,7 @@ import torch
 
 from engines import tensor_parallel as tpar
 from engines import weight_receiver as wr
+from engines.engine_ranks import wait_all
 from engines.types import UpdateWeightsResult
 from engines.weights import WeightLoadError
 
@@ -54,7 +55,7 @@ class InMemoryUpdates:
                 with self._cond:
                     if weight_version is not None:
                         self._weight_version = str(weight_version)
-                    paused = self._inflight if self._parked else 0
+                    paused = self._paused_requests()
         except WeightLoadError as e:
             return {"success": False, "message": str(e), "num_paused_requests": 0}
         if flush_cache:
@@ -90,7 +91,7 @@ class InMemoryUpdates:
                     "apply_handle", [(h,) for h in serialized_named_tensors[1:]]
                 )
             nbytes = wr.copy_into(self._model, tpar.shard_named(named, 0, tp))
-            ray.get(refs)
+            wait_all(refs)
             return len(named), nbytes
 
         result = self._apply(copy, weight_version, flush_cache)
@@ -124,7 +125,7 @@ class InMemoryUpdates:
         self._groups[group_name] = wr.make_group(
             master_address, master_port, rank_offset, world_size, group_name, backend
         )
-        ray.get(joins)
+        wait_all(joins)
         return {"success": True, "message": f"joined {group_name} as rank {rank_offset}"}
 
     @_control
@@ -167,7 +168,7 @@ class InMemoryUpdates:
                 refs = self._ranks.submit("receive_update", group_name, metas)
             named = wr.named_tensors(wr.receive_bucket(pg, metas, self._device))
             nbytes = wr.copy_into(self._model, tpar.shard_named(named, 0, self._cfg.tp_size))
-            ray.get(refs)
+            wait_all(refs)
             return len(named), nbytes
 
         return self._apply(copy, weight_version, flush_cache)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engines.config import EngineConfig
+from engines.config import EngineConfig, PlacementConfig
 from rollout.config import RolloutConfig
 from storage.config import StorageConfig
 from training.config import ModelConfig, TrainConfig, WeightsConfig
@@ -76,6 +76,7 @@ class RunConfig(BaseModel):
     model: ModelConfig = ModelConfig()
     storage: StorageConfig = StorageConfig()
     engines: EngineConfig = EngineConfig()
+    placement: PlacementConfig = PlacementConfig()
     train: TrainConfig = TrainConfig()
     rollout: RolloutConfig = RolloutConfig()
     weights: WeightsConfig = WeightsConfig()
@@ -108,7 +109,44 @@ class RunConfig(BaseModel):
                 f"rollout.batch_size * rollout.n_samples_per_prompt = {n_seq} must be divisible "
                 f"by train.num_workers = {self.train.num_workers}; change one of them"
             )
+        if self.placement.colocate:
+            _check_colocation(self)
         return self
+
+
+def _check_colocation(cfg: RunConfig) -> None:
+    """Colocated ranks share one device per placement bundle; refuse what cannot."""
+    t_gpus, e_gpus = cfg.train.num_gpus_per_worker, cfg.engines.num_gpus_per_engine
+    if (t_gpus > 0) != (e_gpus > 0):
+        raise ValueError(
+            "placement.colocate shares devices between train ranks and engines: set both "
+            "train.num_gpus_per_worker and engines.num_gpus_per_engine above 0 on GPUs "
+            f"(e.g. 0.5 each), or both to 0 on CPU; got {t_gpus} and {e_gpus}"
+        )
+    if t_gpus + e_gpus > 1 + 1e-9:  # 0.7 + 0.3 is not exactly 1.0 in floats
+        raise ValueError(
+            f"train.num_gpus_per_worker + engines.num_gpus_per_engine = {t_gpus + e_gpus} > 1, "
+            "but with placement.colocate a train rank and an engine rank share one GPU; "
+            "lower them so they sum to at most 1 (e.g. 0.5 each)"
+        )
+    if t_gpus > 0 and cfg.weights.transport == "distributed":
+        raise ValueError(
+            "weights.transport 'distributed' cannot run colocated on GPUs: NCCL refuses two "
+            "ranks on one GPU; use weights.transport: tensor (CUDA IPC) or disk, "
+            "or set placement.colocate: false"
+        )
+    if cfg.engines.kind == "sglang":
+        if cfg.engines.tp_size > 1:
+            raise ValueError(
+                "placement.colocate with engines.kind 'sglang' needs engines.tp_size: 1 (the "
+                "server's TP processes cannot take one shared bundle each); "
+                "set engines.tp_size: 1 or placement.colocate: false"
+            )
+        if "--enable-memory-saver" not in cfg.engines.sglang.extra_args:
+            raise ValueError(
+                "colocated SGLang engines free their memory only with --enable-memory-saver: "
+                "add it to engines.sglang.extra_args"
+            )
 
 
 class ConfigError(ValueError):

@@ -17,9 +17,12 @@
       finish[k]  ──► metrics row + ledger/iter_k/iteration.json (the iteration's commit)
 
 Each arrow waits for the one above it. Nothing but storage URIs and small
-records passes between tasks. Shutdown: when healthy, ``rl_training`` ends the
-actors after the last iteration. After a crash nothing needs cleaning by hand:
-a rerun finds the first uncommitted step in the ledger and heals from storage.
+records passes between tasks. Colocated (``placement.colocate``), train ranks
+and engines take turns on shared devices: each step first wakes the side it
+works with and puts the other to sleep (``tasks.colocate``). Shutdown: when
+healthy, ``rl_training`` ends the actors after the last iteration. After a
+crash nothing needs cleaning by hand: a rerun finds the first uncommitted step
+in the ledger and heals from storage.
 """
 
 from __future__ import annotations

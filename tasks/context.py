@@ -31,10 +31,31 @@ class RunContext:
     def store(self) -> RunStore:
         return RunStore(self.cfg.storage, self.cfg.run.name)
 
+    def placement(self):  # -> engines.placement.SharedPlacement | None
+        """The shared placement group of a colocated run; None when disaggregated."""
+        if not self.cfg.placement.colocate:
+            return None
+        from engines.placement import SharedPlacement, colocated_bundles
+
+        e, t = self.cfg.engines, self.cfg.train
+        bundles = colocated_bundles(
+            train_ranks=t.num_workers,
+            train_cpus=t.num_cpus_per_worker,
+            engine_ranks=e.num_engines * e.tp_size,
+            engine_cpus=e.num_cpus_per_engine,
+            gpus=t.num_gpus_per_worker > 0,
+        )
+        return SharedPlacement(self.run_name, tuple(bundles), e.tp_size)
+
     def engines(self):  # -> engines.group.EngineGroup
         from engines.group import EngineGroup
 
-        return EngineGroup(self.run_name, self.cfg.engines, namespace=self.cfg.ray.namespace)
+        return EngineGroup(
+            self.run_name,
+            self.cfg.engines,
+            namespace=self.cfg.ray.namespace,
+            placement=self.placement(),
+        )
 
     def trainer(self):  # -> training.group.TrainGroup
         from training.group import TrainGroup
@@ -46,6 +67,7 @@ class RunContext:
             self.cfg.storage,
             self.cfg.run.seed,
             namespace=self.cfg.ray.namespace,
+            placement=self.placement(),
         )
 
     def __getstate__(self) -> dict:

@@ -1,5 +1,6 @@
 """Ray glue between the steps and the engine group: which version engines must
-serve, where its files are, and bringing one engine to that version."""
+serve, where its files are, and bringing one engine to that version (colocated:
+in the device state ``tasks.colocate`` defines for a weight update)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import logging
 import os
 
 import ray
+
+from tasks import colocate
 
 log = logging.getLogger("prefect_rl.engines")
 
@@ -87,38 +90,57 @@ def served_version(ctx, group, engine_id: int) -> str | None:
         return None
 
 
-def ensure_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool = False) -> None:
+def ensure_engine_serves(
+    ctx, group, engine_id: int, v: int, force_reload: bool = False
+) -> colocate.Memory | None:
     """Bring engine ``engine_id`` to version v over its HTTP API: restart it if
-    dead, else pause, update from disk, continue. Loading a version twice is harmless."""
+    dead, else pause, update from disk, continue. Loading a version twice is harmless.
+
+    Colocated, returns the device states it leaves (see ``tasks.colocate``)."""
     if in_memory(ctx):
         return push_engine_serves(ctx, group, engine_id, v, force_reload)
     path = version_path(ctx, v)
+    # Trainer asleep before the engine wakes; the health check below runs a forward.
+    memory = colocate.for_update(ctx, engine_id, push=False)
     if not group.is_alive(engine_id):
         log.warning("engine %d is not alive; restarting it on v%d", engine_id, v)
         group.restart(engine_id, path, v)
+        memory = colocate.for_update(ctx, engine_id, push=False)  # the new one's state
     elif force_reload or served_version(ctx, group, engine_id) != str(v):
         _disk_reload(ctx, group, engine_id, v)
     ctx.store.record_serving(engine_id, v)
+    return memory
 
 
-def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) -> None:
+def push_engine_serves(
+    ctx, group, engine_id: int, v: int, force: bool = False
+) -> colocate.Memory | None:
     """In-memory transports: bring engine ``engine_id`` to version v by pushing
     trainer state v into it. A dead engine is first restarted on the newest
     committed version <= v from disk; a version already on disk that the trainer
-    no longer holds is loaded from disk (as the disk transport does)."""
+    no longer holds is loaded from disk (as the disk transport does).
+
+    Colocated, returns the device states it leaves (see ``tasks.colocate``)."""
     committed = [c for c in ctx.store.committed_versions() if c <= v]
+    memory = colocate.wake_engine(ctx, engine_id)  # the health check runs a forward
     if not group.is_alive(engine_id):
         base = max(committed)
         log.warning("engine %d is not alive; restarting it on v%d, then pushing v%d", engine_id, base, v)
+        colocate.for_update(ctx, engine_id, push=False)  # room for the new engine
         group.restart(engine_id, version_path(ctx, base), base)
+        memory = colocate.wake_engine(ctx, engine_id)  # the new one's state
     if force or served_version(ctx, group, engine_id) != str(v):
         trainer = ctx.trainer()
         if v in committed and trainer.iteration() != v:
+            memory = colocate.for_update(ctx, engine_id, push=False)
             _disk_reload(ctx, group, engine_id, v)
         else:
             trainer.ensure_state(v, ctx.base_model_path)
+            # Both sides hold the weights while they move; re-created ranks start awake.
+            memory = colocate.for_update(ctx, engine_id, push=True)
             _push(ctx, group, trainer, engine_id, v)
     ctx.store.record_serving(engine_id, v)
+    return memory
 
 
 def _disk_reload(ctx, group, engine_id: int, v: int) -> None:

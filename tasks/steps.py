@@ -4,6 +4,8 @@ The Prefect tasks in ``tasks/rl_tasks.py`` wrap these one to one, and the
 plain-Python driver (``flows/driver.py``) calls them directly. Each step:
 reads the ledger; brings the state it needs back from storage (dead actors are
 recreated, trainer state is restored and replayed); does its work; commits.
+Colocated, a step that works on a device first puts the train ranks and engines
+in the state it needs (``tasks.colocate``) and records it under ``memory``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from rollout.datasets import PromptSource
 from rollout.rewards import load_reward
 from rollout.seeding import sample_seed
 from rollout.types import RolloutBatch, Sample
+from tasks import colocate
 from tasks.engines import (
     ensure_engine_serves,
     in_memory,
@@ -52,12 +55,14 @@ def rollout(ctx, k: int) -> dict[str, Any]:
             return _rollout_summary(RolloutBatch.from_json(saved), reused=True)
         v = target_version(ctx, k - 1)
         group = ctx.engines()
+        colocate.for_rollout(ctx)  # the trainer frees the devices before engines (re)load
         for i in range(cfg.engines.num_engines):
             ensure_engine_serves(ctx, group, i, v)
+        memory = colocate.for_rollout(ctx)  # an in-memory update woke the trainer
         maybe_fail(ctx, "rollout", k, kill=lambda: kill_engine(group, 0))
         batch = _generate(ctx, group, k, v)
         store.write_rollouts(k, batch.to_json())
-        return _rollout_summary(batch, reused=False)
+        return {**_rollout_summary(batch, reused=False), **colocate.recorded(memory)}
 
     return run_step(ctx, k, "rollout", work)
 
@@ -79,7 +84,11 @@ def _generate(ctx, group, k: int, v: int) -> RolloutBatch:
     # A dead engine is restarted on the version this rollout needs, and its
     # groups are regenerated whole, so no group mixes versions.
     if in_memory(ctx):
-        restart = lambda i: ensure_engine_serves(ctx, group, i, v)  # noqa: E731
+
+        def restart(i: int) -> None:
+            ensure_engine_serves(ctx, group, i, v)
+            colocate.for_rollout(ctx)  # a push woke the trainer; it sleeps while we generate
+
     else:
         path = version_path(ctx, v)
         restart = lambda i: group.restart(i, path, v)  # noqa: E731
@@ -138,11 +147,18 @@ def _rollout_summary(batch: RolloutBatch, reused: bool) -> dict[str, Any]:
 def train(ctx, k: int) -> dict[str, Any]:
     def work() -> dict[str, Any]:
         trainer = ctx.trainer()
-        trainer.ensure_state(k - 1, ctx.base_model_path)
+        memory = _for_training(ctx, trainer, k - 1)
         maybe_fail(ctx, "train", k, kill=lambda: kill_train_rank0(trainer))
-        return trainer.train(k)
+        return {**trainer.train(k), **colocate.recorded(memory)}
 
     return run_step(ctx, k, "train", work)
+
+
+def _for_training(ctx, trainer, k: int) -> colocate.Memory | None:
+    """Engines asleep and the trainer awake (colocated), holding trainer state k."""
+    colocate.for_training(ctx)  # engines free the devices before any rank (re)loads
+    trainer.ensure_state(k, ctx.base_model_path)
+    return colocate.for_training(ctx)  # re-created ranks start awake: this reads them back
 
 
 def _is_last(ctx, k: int) -> bool:
@@ -163,11 +179,11 @@ def save_checkpoint(ctx, k: int) -> dict[str, Any]:
         if k in ctx.store.committed_checkpoints():
             return {"saved": True, "existing": True}
         trainer = ctx.trainer()
-        trainer.ensure_state(k, ctx.base_model_path)
+        memory = _for_training(ctx, trainer, k)
         maybe_fail(ctx, "save", k, kill=lambda: kill_train_rank0(trainer))
         t0 = time.perf_counter()
         trainer.save(k)
-        return {"saved": True, "save_s": time.perf_counter() - t0}
+        return {"saved": True, "save_s": time.perf_counter() - t0, **colocate.recorded(memory)}
 
     return run_step(ctx, k, "save", work)
 
@@ -181,9 +197,10 @@ def publish_weights(ctx, k: int) -> dict[str, Any]:
         store = ctx.store
         if not publish_due(ctx, k):
             return {"published": False}
+        memory = None
         if k not in store.committed_versions():
             trainer = ctx.trainer()
-            trainer.ensure_state(k, ctx.base_model_path)
+            memory = _for_training(ctx, trainer, k)
             maybe_fail(ctx, "publish", k, kill=lambda: kill_train_rank0(trainer))
             parent = store.latest_version()
             t0 = time.perf_counter()
@@ -200,6 +217,7 @@ def publish_weights(ctx, k: int) -> dict[str, Any]:
             "url": store.version_url(k),
             "bytes": sum(f.bytes for f in manifest.files),
             "publish_s": publish_s,
+            **colocate.recorded(memory),
         }
 
     return run_step(ctx, k, "publish", work)
@@ -211,8 +229,13 @@ def reload_engine(ctx, k: int, engine_id: int) -> dict[str, Any]:
         group = ctx.engines()
         maybe_fail(ctx, "reload", k, kill=lambda: kill_engine(group, engine_id))
         t0 = time.perf_counter()
-        ensure_engine_serves(ctx, group, engine_id, v, force_reload=True)
-        return {"engine": engine_id, "version": v, "reload_s": time.perf_counter() - t0}
+        memory = ensure_engine_serves(ctx, group, engine_id, v, force_reload=True)
+        return {
+            "engine": engine_id,
+            "version": v,
+            "reload_s": time.perf_counter() - t0,
+            **colocate.recorded(memory),
+        }
 
     return run_step(ctx, k, f"reload-e{engine_id}", work)
 
@@ -222,6 +245,7 @@ def verify_engine(ctx, k: int, engine_id: int) -> dict[str, Any]:
     v = target_version(ctx, k)
     group = ctx.engines()
     maybe_fail(ctx, "verify", k, kill=lambda: kill_engine(group, engine_id))
+    colocate.wake_engine(ctx, engine_id)  # the health check below runs a forward
     if not group.is_alive(engine_id):
         log.warning("engine %d is dead at verify[k=%d]; restarting it on v%d", engine_id, k, v)
         if in_memory(ctx):

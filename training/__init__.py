@@ -3,7 +3,9 @@
 Contracts:
 - ``TrainGroup`` (driver side) holds names and config only and pickles into any
   task. Actors are ``{run}/train/{rank}`` (namespace ``prefect-rl``, detached) on
-  one placement group ``{run}/train-pg``. ``ensure_state(k)`` is the recovery
+  one placement group ``{run}/train-pg``, or colocated on bundle ``rank`` of
+  the run's shared ``{run}/colocate-pg`` (``engines.placement``), where
+  ``offload``/``onload`` take turns with the engines. ``ensure_state(k)`` is the recovery
   primitive: restore the newest verifying checkpoint <= k, replay persisted
   rollouts; a no-op when the ranks already hold k.
 - ``TrainActor.train_step(k)`` needs trainer state k-1 (else StateMismatchError)

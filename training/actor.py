@@ -212,20 +212,24 @@ class TrainActor:
             self._gloo = dist.new_group(backend="gloo")
         return self._gloo
 
-    def offload(self) -> None:
-        """Move weights, optimizer state and the reference model to CPU (frees the
-        GPU for colocated engines). A no-op on CPU."""
-        if self.device.type != "cpu" and self.model is not None:
-            bt.move_state(self.model, self.optim, torch.device("cpu"))
-            if self.ref_model is not None:
-                self.ref_model.to("cpu")
-            torch.cuda.empty_cache()
+    def offload(self) -> dict[str, Any]:
+        """Sleep: free the device memory of the weights, optimizer state and reference
+        model for colocated engines (``engines.device_memory``: torch_memory_saver
+        where installed, else moved to host memory; on CPU only the state changes).
+        Idempotent; returns the memory report (``state``, ``mode``, bytes on device)."""
+        from engines.device_memory import actor_memory
 
-    def onload(self) -> None:
-        if self.device.type != "cpu" and self.model is not None:
-            bt.move_state(self.model, self.optim, self.device)
-            if self.ref_model is not None:
-                self.ref_model.to(self.device)
+        return actor_memory(self, self.device, "train").sleep(
+            [self.model, self.ref_model], self.optim
+        )
+
+    def onload(self) -> dict[str, Any]:
+        """Wake: undo ``offload``, contents unchanged; a rank that never slept is awake."""
+        from engines.device_memory import actor_memory
+
+        return actor_memory(self, self.device, "train").wake(
+            [self.model, self.ref_model], self.optim
+        )
 
     def score(self, input_ids: list[list[int]]) -> torch.Tensor:
         """Next-token logprobs [B, T-1] of equal-length ``input_ids`` under the

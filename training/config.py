@@ -30,7 +30,9 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     backend: Literal["torch", "megatron"] = "torch"
-    num_workers: int = Field(1, ge=1, description="Train actors (ranks); FSDP2 over gloo/NCCL when > 1")
+    num_workers: int = Field(
+        1, ge=1, description="Train actors (ranks); FSDP2 over gloo/NCCL when > 1"
+    )
     num_cpus_per_worker: float = Field(1.0, gt=0)
     num_gpus_per_worker: float = Field(0.0, ge=0)
     torch_threads: int = Field(1, ge=1)
@@ -66,6 +68,8 @@ class WeightsConfig(BaseModel):
     bucket_bytes: int = Field(
         512 * 1024 * 1024, ge=1024, description="Max bytes per bucket of the in-memory transports"
     )
-    shard_size: int = Field(512 * 1024 * 1024, ge=1024, description="Max bytes per safetensors shard")
+    shard_size: int = Field(
+        512 * 1024 * 1024, ge=1024, description="Max bytes per safetensors shard"
+    )
     publish_interval: int = Field(1, ge=1)
     flush_cache_interval: int = Field(1, ge=1, description="Flush engine caches every N versions")

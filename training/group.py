@@ -1,11 +1,12 @@
 """Driver-side handle on the train ranks (slime's RayTrainGroup, made recoverable).
 
 Owns the Ray side of training: one detached placement group
-``{run}/train-pg`` (one bundle per rank, PACK), detached named actors
-``{run}/train/{rank}`` in namespace ``prefect-rl``, and ``ensure_state(k)``,
-the recovery primitive. Holds only names and config, so it pickles into any
-task; handles are looked up by name on every call. Never generates rollouts
-(replay uses the persisted ones) and never imports Prefect.
+``{run}/train-pg`` (one bundle per rank, PACK) or, colocated, bundle ``rank``
+of the run's shared group (``engines.placement``, never removed here), detached
+named actors ``{run}/train/{rank}`` in namespace ``prefect-rl``, and
+``ensure_state(k)``, the recovery primitive. Holds only names and config, so
+it pickles into any task; handles are looked up by name on every call. Never
+generates rollouts (replay uses the persisted ones) and never imports Prefect.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ray._raylet import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engines.placement import SharedPlacement
 from storage.config import StorageConfig
 from training.actor import TrainActor
 from training.config import ModelConfig, TrainConfig, WeightsConfig
@@ -61,10 +63,12 @@ class TrainGroup:
         seed: int,
         namespace: str = NAMESPACE,
         weights_cfg: WeightsConfig | None = None,
+        placement: SharedPlacement | None = None,
     ) -> None:
         self.run_name, self.seed, self.namespace = run_name, seed, namespace
         self.train_cfg, self.model_cfg, self.storage_cfg = train_cfg, model_cfg, storage_cfg
         self.weights_cfg = weights_cfg or WeightsConfig()
+        self.placement = placement  # colocated: the shared group the ranks sit in
 
     @property
     def world_size(self) -> int:
@@ -81,6 +85,44 @@ class TrainGroup:
     def create(self, base_model_path: str) -> None:
         """Fresh ranks at iteration 0 (base weights). Leftovers are released first."""
         self.release()
+        cfg = self.train_cfg
+        pg = self._placement_group()
+        addr, port = ray.get(
+            _master_endpoint.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, self._bundle(0))
+            ).remote()
+        )
+        remote_cls = ray.remote(actor_class(cfg.backend))
+        actors = [
+            remote_cls.options(
+                name=self.actor_name(rank),
+                namespace=self.namespace,
+                lifetime="detached",
+                max_restarts=0,  # a restarted rank would hold no state; ensure_state rebuilds
+                num_cpus=cfg.num_cpus_per_worker,
+                num_gpus=cfg.num_gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, self._bundle(rank)),
+            ).remote(
+                rank,
+                self.world_size,
+                addr,
+                port,
+                cfg,
+                self.model_cfg,
+                self.storage_cfg,
+                self.run_name,
+                self.seed,
+                self.weights_cfg,
+            )
+            for rank in range(self.world_size)
+        ]
+        ray.get([a.setup.remote() for a in actors])
+        ray.get([a.init_from_base.remote(base_model_path) for a in actors])
+
+    def _placement_group(self) -> PlacementGroup:
+        """The shared group when colocated, else a fresh ``{run}/train-pg``."""
+        if self.placement is not None:
+            return self.placement.ensure(PG_READY_TIMEOUT_S)
         cfg = self.train_cfg
         bundle: dict[str, float] = {"CPU": cfg.num_cpus_per_worker}
         if cfg.num_gpus_per_worker > 0:
@@ -100,37 +142,10 @@ class TrainGroup:
                 f"{PG_READY_TIMEOUT_S:.0f}s: the Ray cluster lacks free resources; stop other runs' "
                 "actors or lower train.num_workers / train.num_cpus_per_worker"
             ) from None
-        addr, port = ray.get(
-            _master_endpoint.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)
-            ).remote()
-        )
-        remote_cls = ray.remote(actor_class(cfg.backend))
-        actors = [
-            remote_cls.options(
-                name=self.actor_name(rank),
-                namespace=self.namespace,
-                lifetime="detached",
-                max_restarts=0,  # a restarted rank would hold no state; ensure_state rebuilds
-                num_cpus=cfg.num_cpus_per_worker,
-                num_gpus=cfg.num_gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
-            ).remote(
-                rank,
-                self.world_size,
-                addr,
-                port,
-                cfg,
-                self.model_cfg,
-                self.storage_cfg,
-                self.run_name,
-                self.seed,
-                self.weights_cfg,
-            )
-            for rank in range(self.world_size)
-        ]
-        ray.get([a.setup.remote() for a in actors])
-        ray.get([a.init_from_base.remote(base_model_path) for a in actors])
+        return pg
+
+    def _bundle(self, rank: int) -> int:
+        return rank if self.placement is None else self.placement.train_bundle(rank)
 
     def actors(self) -> list[Any]:
         """Handles of all ranks, by name; raises ValueError if one does not exist."""
@@ -159,7 +174,10 @@ class TrainGroup:
         return its[0]
 
     def release(self) -> None:
-        """Kill every rank and remove the placement group (frees CPUs/GPUs)."""
+        """Kill every rank and remove the placement group (frees CPUs/GPUs).
+
+        Colocated, the shared group stays: the engines live in it too.
+        """
         for r in range(self.world_size):
             try:
                 ray.kill(ray.get_actor(self.actor_name(r), namespace=self.namespace))
@@ -167,13 +185,19 @@ class TrainGroup:
                 pass
         for r in range(self.world_size):
             self._wait_gone(self.actor_name(r))
+        if self.placement is not None:
+            return
         for pg_id, info in ray.util.placement_group_table().items():
             if info.get("name") == self.pg_name and info.get("state") != "REMOVED":
                 # Looked up by id, not name: names resolve only in the caller's namespace.
                 remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
 
     def shutdown(self) -> None:
-        """End of run: same as release; the group object stays usable for create()."""
+        """End of run: same as release; the group object stays usable for create().
+
+        Colocated, ``EngineGroup.shutdown`` (called after this one) removes the
+        shared group, so engines that outlive the run keep their devices.
+        """
         self.release()
 
     def _wait_gone(self, name: str, timeout: float = 60.0) -> None:
@@ -257,8 +281,21 @@ class TrainGroup:
         ]
         return ray.get(refs)[0]
 
-    def offload(self) -> None:
-        ray.get([a.offload.remote() for a in self.actors()])
+    def offload(self) -> list[dict[str, Any]]:
+        """Every rank sleeps (frees its device for colocated engines); per-rank reports."""
+        return self._memory("offload")
 
-    def onload(self) -> None:
-        ray.get([a.onload.remote() for a in self.actors()])
+    def onload(self) -> list[dict[str, Any]]:
+        """Every rank wakes; per-rank reports. A rank that never slept is awake."""
+        return self._memory("onload")
+
+    def _memory(self, method: str) -> list[dict[str, Any]]:
+        # No ranks, or a dead one, is not an error here: the next step that needs
+        # the trainer recreates it through ensure_state, and new ranks start awake.
+        try:
+            actors = self.actors()
+            refs = [getattr(a, method).remote() for a in actors]
+            return ray.get(refs, timeout=PG_READY_TIMEOUT_S)
+        except (ValueError, ray.exceptions.RayActorError) as e:
+            log.info("train group %s: %s skipped (%s)", self.run_name, method, type(e).__name__)
+            return []

@@ -1,7 +1,10 @@
-"""The in-memory weight transports end to end through the plain driver, with 2
-engines: versions pushed straight from the trainer (also ones never published),
-verified like disk versions, bitwise equal to a disk reload of the same
-version, and a restarted engine brought back (distributed: its group rebuilt)."""
+"""The in-memory weight transports end to end through the Prefect flow, with 2
+engines of 2 ranks each (tensor: from 2 train ranks, one handle per engine rank
+gathered over gloo; distributed: a broadcast group with every engine rank).
+Versions pushed straight from the trainer (also ones never published) are
+verified like disk versions; afterwards a restarted engine takes a push again,
+bitwise equal to a disk reload of the same version (distributed: through a
+rebuilt group)."""
 
 from __future__ import annotations
 
@@ -9,31 +12,32 @@ import pytest
 import ray
 
 from flows.config import load_config
-from flows.driver import run_plain
 from tasks import steps
 from tasks.engines import push_engine_serves, version_path
+from tasks.prepare import prepare_run
+
+CONFIG = "configs/tiny-cpu.yaml"
 
 
-def _cfg(tmp_path, transport: str):
-    return load_config(
-        None,
-        {
-            "run.name": f"wt-{transport}",
-            "run.iterations": 3,
-            "run.save_interval": 1,
-            "storage.root": str(tmp_path / "runs"),
-            "rollout.batch_size": 4,
-            "rollout.n_samples_per_prompt": 4,
-            "engines.num_engines": 2,
-            "engines.num_cpus_per_engine": 0.5,
-            "train.num_cpus_per_worker": 0.5,
-            "weights.transport": transport,
-            "weights.publish_interval": 2,  # v1 is pushed but never published
-            "weights.flush_cache_interval": 2,
-            "weights.bucket_bytes": 64 * 1024,  # several buckets for the tiny model
-            "tasks.retry_delay_s": [0.1],
-        },
-    )
+def _overrides(tmp_path, transport: str) -> dict:
+    return {
+        "run.name": f"wt-{transport}",
+        "run.iterations": 3,
+        "run.save_interval": 1,
+        "storage.root": str(tmp_path / "runs"),
+        "rollout.batch_size": 4,
+        "rollout.n_samples_per_prompt": 4,
+        "engines.num_engines": 2,
+        "engines.tp_size": 2,
+        "engines.num_cpus_per_engine": 0.25,
+        "train.num_workers": 2 if transport == "tensor" else 1,
+        "train.num_cpus_per_worker": 0.5,
+        "weights.transport": transport,
+        "weights.publish_interval": 2,  # v1 is pushed but never published
+        "weights.flush_cache_interval": 2,
+        "weights.bucket_bytes": 64 * 1024,  # several buckets for the tiny model
+        "tasks.retry_delay_s": [0.1],
+    }
 
 
 def _sha(group, e: int) -> str:
@@ -41,16 +45,30 @@ def _sha(group, e: int) -> str:
 
 
 @pytest.mark.parametrize("transport", ["tensor", "distributed"])
-def test_in_memory_transport_end_to_end(ray_cluster, tmp_path, transport):
-    ctx, rows, _ = run_plain(_cfg(tmp_path, transport), quiet=True, keep_actors=True)
-    group = ctx.engines()
+def test_in_memory_transport_through_the_flow(ray_cluster, prefect_api, tmp_path, transport):
+    from flows.rl_training import TrainingParams, rl_training
+
+    overrides = _overrides(tmp_path, transport)
+    state = rl_training(TrainingParams(config_path=CONFIG, overrides=overrides), return_state=True)
+    assert state.is_completed(), state
+    assert state.result()["iterations"] == [1, 2, 3]
+
+    ctx = prepare_run(load_config(CONFIG, overrides))
+    store = ctx.store
+    assert store.committed_versions() == [0, 2, 3]  # the durable publish still runs
+    for k in (1, 2, 3):  # rollout 2 used v1, which only ever existed in memory
+        assert {s["weight_version"] for s in store.read_rollouts(k)["samples"]} == {k - 1}
+        for e in (0, 1):  # pushed as version k (the iteration commits after verify passed)
+            assert store.read_record(k, f"reload-e{e}")["result"]["version"] == k
+        assert store.read_record(k, "iteration") is not None
+
+    # The flow ended (engines and trainer gone). Bring the trainer back to
+    # state 3 and push it: each engine is restarted on disk v3, then pushed.
+    group, trainer = ctx.engines(), ctx.trainer()
     try:
-        store = ctx.store
-        assert [r["iteration"] for r in rows] == [1, 2, 3]
-        assert store.committed_versions() == [0, 2, 3]  # durable publish still runs
-        for k in (1, 2, 3):  # rollout 2 used v1, which only ever existed in memory
-            assert {s["weight_version"] for s in store.read_rollouts(k)["samples"]} == {k - 1}
+        trainer.ensure_state(3, ctx.base_model_path)
         for e in (0, 1):
+            push_engine_serves(ctx, group, e, 3, force=True)
             assert steps.verify_engine(ctx, 3, e)["verified"]
         pushed = {_sha(group, e) for e in (0, 1)}
         assert len(pushed) == 1
@@ -60,12 +78,13 @@ def test_in_memory_transport_end_to_end(ray_cluster, tmp_path, transport):
         assert reply["success"]
         assert {_sha(group, 0)} == pushed
 
-        # A restarted engine comes back on disk v3, then takes a push again
-        # (distributed: through a rebuilt group).
+        # An engine killed under a live trainer comes back and takes a push
+        # again (distributed: the trainer rebuilds its group).
         ray.kill(group.handle(1), no_restart=True)
         push_engine_serves(ctx, group, 1, 3, force=True)
         assert steps.verify_engine(ctx, 3, 1)["verified"]
         assert {_sha(group, 1)} == pushed
     finally:
-        ctx.trainer().shutdown()
+        trainer.shutdown()
         group.shutdown()
+        store.release_lease(ctx.owner)
