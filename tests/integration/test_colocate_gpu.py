@@ -87,6 +87,11 @@ def test_offload_frees_the_shared_gpu_and_keeps_the_weights(ray_cluster, tmp_pat
             train_asleep = trainer.offload()[0]
             assert train_asleep["state"] == "asleep"
             assert _freed(seen, train_asleep) >= 0.8 * model_bytes, (cycle, train_asleep)
+            print(
+                f"COLOCATE cycle {cycle} mode={eng_asleep['mode']} model={model_bytes / 1e9:.2f} GB: "
+                f"engine release freed {_freed(eng_awake, eng_asleep) / 1e9:.2f} GB, "
+                f"train offload freed {_freed(seen, train_asleep) / 1e9:.2f} GB"
+            )
 
             # Wake in the order a rollout does, then check nothing changed.
             ray.get(engine.resume_memory_occupation.remote())
