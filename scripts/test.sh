@@ -8,7 +8,7 @@ bash scripts/setup.sh
 export RAY_AUTH_MODE=disabled PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
 .venv/bin/ruff check .
 set +e
-.venv/bin/python -m pytest -m "not gpu" "$@"
+.venv/bin/python -m pytest -m "not gpu" --durations=20 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "pytest ran no tests: failing" >&2; exit 1; fi
