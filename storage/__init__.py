@@ -9,6 +9,12 @@ Contracts:
   nothing without its marker, and verify sizes + sha256 when they pull.
 - Committed objects are immutable; re-writing identical content is a no-op,
   different content raises ``VersionConflictError``.
+- One writer per run: ``acquire_lease`` returns a ``Lease`` with a ``fence``; a
+  ``RunStore(cfg, run, fence=N)`` checks lease.json before every commit and raises
+  ``LeaseLostError`` once another writer took the run (``storage.lease``).
+- Loaders trust a folder only after ``verify_dir`` (sizes + sha256 against its own
+  manifest.json); ``RunStore.version_state`` tells committed / absent / damaged.
+- ``check_root(cfg)`` before anything starts turns bad roots into clear errors.
 - Imports neither prefect, ray nor torch.
 """
 
@@ -16,13 +22,15 @@ from storage.config import S3Options, StorageConfig
 from storage.errors import (
     IntegrityError,
     LeaseHeldError,
+    LeaseLostError,
     ManifestError,
     StorageError,
     VersionConflictError,
 )
-from storage.fs import is_local, open_root
+from storage.fs import check_root, is_local, open_root
 from storage.run_store import CheckpointWriter, RunStore, WeightsWriter
 from storage.types import CheckpointCommit, FileEntry, GcReport, Lease, WeightsManifest
+from storage.weights import verify_dir
 
 __all__ = [
     "CheckpointCommit",
@@ -32,6 +40,7 @@ __all__ = [
     "IntegrityError",
     "Lease",
     "LeaseHeldError",
+    "LeaseLostError",
     "ManifestError",
     "RunStore",
     "S3Options",
@@ -40,6 +49,8 @@ __all__ = [
     "VersionConflictError",
     "WeightsManifest",
     "WeightsWriter",
+    "check_root",
     "is_local",
     "open_root",
+    "verify_dir",
 ]

@@ -12,6 +12,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -79,8 +80,16 @@ class CheckpointWriter:
     VersionConflictError otherwise.
     """
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, ckpt_dir: str, k: int):
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        ckpt_dir: str,
+        k: int,
+        guard: Callable[[], None] | None = None,
+    ):
         self.fs, self.k = fs, k
+        # Called before deleting debris and before COMMIT: the writer's fence check.
+        self._guard = guard or (lambda: None)
         self._ckpt_dir = ckpt_dir
         self._dir = join(ckpt_dir, iter_name(k))
         self._lock = threading.Lock()
@@ -92,6 +101,7 @@ class CheckpointWriter:
             self._existing: CheckpointCommit | None = read_commit(fs, ckpt_dir, k)
         except ManifestError:
             self._existing = None
+            self._guard()
             rm_tree(fs, self._dir)  # an uncommitted folder is debris of a failed save
 
     def open(self, name: str) -> HashingWriter:
@@ -146,6 +156,7 @@ class CheckpointWriter:
         for p in self._paths:
             _fsync(p)
         c = CheckpointCommit(iteration=self.k, created_at=time.time(), files=files, meta=meta)
+        self._guard()
         write_bytes(self.fs, join(self._dir, COMMIT), dumps(c.model_dump(mode="json")))
 
 

@@ -22,5 +22,10 @@ class LeaseHeldError(StorageError):
     """Another live writer holds the run's lease."""
 
 
+class LeaseLostError(StorageError):
+    """This writer's fence is no longer the run's current one: another writer took
+    the run over, so every commit of this writer is refused."""
+
+
 class VersionConflictError(StorageError):
     """An already committed object exists with different content."""

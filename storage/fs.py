@@ -17,7 +17,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from storage.config import S3Options
+from storage.config import S3Options, StorageConfig
 from storage.errors import StorageError
 from storage.layout import TMP_PREFIX, parse_iter
 
@@ -31,13 +31,7 @@ def open_root(root: str, s3: S3Options | None = None) -> tuple[fsspec.AbstractFi
     if not sep or proto == "file":
         path = rest if sep else root
         return LocalFileSystem(), os.path.abspath(os.path.expanduser(path)).rstrip("/") or "/"
-    netloc = rest.split("/", 1)[0]
-    if "@" in netloc:
-        # Refuse instead of silently dropping: a secret in a URL ends up in logs and run.json.
-        raise StorageError(
-            f"storage.root for protocol {proto!r} contains credentials; remove them from the URL "
-            "and set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment instead"
-        )
+    check_no_credentials(root)
     if proto in ("s3", "s3a"):
         import s3fs  # only needed for s3:// roots
 
@@ -59,6 +53,100 @@ def open_root(root: str, s3: S3Options | None = None) -> tuple[fsspec.AbstractFi
         return fs, "s3://" + rest.strip("/")
     fs, _ = fsspec.url_to_fs(root)
     return fs, root.rstrip("/")
+
+
+def redact(root: str) -> str:
+    """``root`` with any ``user:secret@`` part replaced, safe to show in messages."""
+    proto, sep, rest = root.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if not sep or "@" not in netloc:
+        return root
+    return f"{proto}://***@{netloc.rsplit('@', 1)[1]}{slash}{path}"
+
+
+def check_no_credentials(root: str) -> None:
+    """Refuse a URL carrying ``key:secret@``: it would end up in logs and run.json. The
+    message shows the URL with the credentials cut out, never the secret."""
+    proto, sep, rest = root.partition("://")
+    if sep and "@" in rest.split("/", 1)[0]:
+        raise StorageError(
+            f"storage.root {redact(root)} contains credentials; remove them from the URL and "
+            "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment instead"
+        )
+
+
+def check_root(cfg: StorageConfig) -> None:
+    """Fail early, before any flow run or file exists, with a message naming the root
+    and the fix: credentials in the URL, a root that is a file, a root (or its nearest
+    existing parent) that is not writable, a missing or inaccessible S3 bucket. Leaves
+    nothing behind (the probe object/file is removed)."""
+    if not cfg.root:
+        raise StorageError("storage.root is empty; set it to a path or an s3://bucket/prefix URL")
+    check_no_credentials(cfg.root)
+    fs, root = open_root(cfg.root, cfg.s3)
+    if is_local(fs):
+        _check_local_root(root)
+    elif root.startswith("s3://"):
+        _check_s3_root(fs, root, cfg.s3)
+
+
+def _check_local_root(root: str) -> None:
+    probe_dir = root
+    while not os.path.exists(probe_dir):  # the nearest existing parent is where mkdir happens
+        probe_dir = os.path.dirname(probe_dir)
+    if not os.path.isdir(probe_dir):
+        where = "storage.root" if probe_dir == root else f"its parent {probe_dir}"
+        raise StorageError(
+            f"storage.root {root}: {where} is a file, not a folder; "
+            "set storage.root to a folder (or move that file away)"
+        )
+    fix = "set storage.root to a writable folder, or fix the folder's permissions/mount"
+    if not os.access(probe_dir, os.W_OK | os.X_OK):
+        raise StorageError(f"storage.root {root}: {probe_dir} is not writable; {fix}")
+    probe = os.path.join(probe_dir, f"{TMP_PREFIX}check-{uuid.uuid4().hex}")
+    try:
+        with open(probe, "wb") as f:  # os.access misses read-only mounts seen by root, quotas
+            f.write(b"probe")
+    except OSError as e:
+        raise StorageError(f"storage.root {root}: cannot write in {probe_dir} ({e}); {fix}") from e
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+
+
+def _check_s3_root(fs: fsspec.AbstractFileSystem, root: str, s3: S3Options) -> None:
+    bucket = root.removeprefix("s3://").split("/", 1)[0]
+    endpoint = s3.endpoint_url or "the AWS default endpoint"
+    creds = "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the profile) and the bucket policy"
+    try:
+        fs.call_s3("head_bucket", Bucket=bucket)
+    except FileNotFoundError:
+        raise StorageError(
+            f"storage.root {root}: bucket {bucket!r} does not exist at {endpoint}; create it "
+            f"(aws s3 mb s3://{bucket}) or fix the bucket name / storage.s3.endpoint_url"
+        ) from None
+    except PermissionError:
+        raise StorageError(
+            f"storage.root {root}: access to bucket {bucket!r} at {endpoint} is denied; {creds}"
+        ) from None
+    except Exception as e:  # unreachable endpoint, DNS, TLS, no credentials: many kinds
+        fix = (
+            creds
+            if "Credentials" in type(e).__name__
+            else "check storage.s3.endpoint_url and the network"
+        )
+        raise StorageError(
+            f"storage.root {root}: cannot reach bucket {bucket!r} at {endpoint} ({type(e).__name__}); {fix}"
+        ) from None
+    probe = join(root, f"{TMP_PREFIX}check-{uuid.uuid4().hex}")
+    try:
+        fs.pipe_file(probe, b"probe")
+        fs.rm_file(probe)
+    except Exception as e:
+        raise StorageError(
+            f"storage.root {root}: cannot write to bucket {bucket!r} at {endpoint} "
+            f"({type(e).__name__}); check the credentials' permissions and the bucket policy"
+        ) from None
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:

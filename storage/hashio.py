@@ -25,11 +25,9 @@ from storage.errors import IntegrityError
 _GATHER = 4 << 20
 # Big writes are split so hashing chunk i overlaps writing chunk i, with bounded latency.
 _SLICE = 16 << 20
-# Bytes per write() syscall. A large write makes the kernel allocate large page-cache
-# folios, taken from high-order free blocks; on VMs with free-page reporting (Firecracker)
-# those are the blocks the host already discarded, and first touch then costs ~5 s/GB of
-# sys time. 1 MiB writes measured 2.8 GB/s on such a VM where 4-16 MiB writes were often
-# 0.2-0.5 GB/s; on bare metal both run at memcpy speed (the syscall count is negligible).
+# Bytes per write() syscall. Large writes take high-order page-cache folios, which on VMs
+# with free-page reporting (Firecracker) the host already discarded (~5 s/GB of sys time on
+# first touch): 1 MiB writes measured 2.8 GB/s there, 4-16 MiB 0.2-0.5 GB/s; same on metal.
 WRITE_CHUNK = 1 << 20
 READ_CHUNK = 8 << 20
 
@@ -86,14 +84,18 @@ class HashingWriter:
             raise ValueError(f"write to closed file {self.name!r}")
         mv = _as_bytes_view(data)
         n = mv.nbytes
-        if n < _GATHER:
-            self._buf += mv
-            if len(self._buf) >= _GATHER:
+        try:
+            if n < _GATHER:
+                self._buf += mv
+                if len(self._buf) >= _GATHER:
+                    self._drain()
+            else:
                 self._drain()
-        else:
-            self._drain()
-            for off in range(0, n, _SLICE):
-                self._emit(mv[off : off + _SLICE])
+                for off in range(0, n, _SLICE):
+                    self._emit(mv[off : off + _SLICE])
+        except BaseException:
+            self.abort()  # half-written (disk full, ...): the file can never be finished
+            raise
         self.bytes += n
         return n
 
@@ -125,10 +127,7 @@ class HashingWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
+        self.close() if exc_type is None else self.abort()
 
 
 class LocalHashingWriter(HashingWriter):
@@ -391,11 +390,8 @@ def hash_file(path: str, chunk: int = READ_CHUNK) -> tuple[int, str]:
 
 def hash_stream(f: BinaryIO, chunk: int = READ_CHUNK) -> tuple[int, str]:
     """(bytes, sha256) of everything readable from ``f``."""
-    sha = hashlib.sha256()
-    n = 0
-    while True:
-        data = f.read(chunk)
-        if not data:
-            return n, sha.hexdigest()
+    sha, n = hashlib.sha256(), 0
+    while data := f.read(chunk):
         sha.update(data)
         n += len(data)
+    return n, sha.hexdigest()

@@ -13,6 +13,8 @@ from storage.errors import ManifestError, StorageError
 
 RUN_JSON = "run.json"
 LEASE_JSON = "lease.json"
+# One claim object per lease acquisition, named by its fence (see storage.lease).
+LEASE_FENCES = "lease-fences"
 MANIFEST = "manifest.json"
 COMMIT = "COMMIT"
 METRICS_JSONL = "metrics.jsonl"
@@ -41,6 +43,12 @@ def engine_name(engine_id: int) -> str:
     """``engine_000.json`` for engine 0."""
     _check_index(engine_id, "engine_id")
     return f"engine_{engine_id:03d}.json"
+
+
+def fence_name(fence: int) -> str:
+    """``000000000007.json`` for fence 7: zero-padded so listings sort by fence."""
+    _check_index(fence, "fence")
+    return f"{fence:012d}.json"
 
 
 def parse_iter(name: str) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -26,11 +27,14 @@ def write_record(
     step: str,
     record: dict,
     overwrite: bool = False,
+    guard: Callable[[], None] | None = None,
 ) -> None:
     """Commit ``record`` for (k, step). Same record again: no-op. A different one:
     VersionConflictError unless ``overwrite``."""
     path = join(ledger_dir, iter_name(k), f"{check_step(step)}.json")
     data = dumps(record)
+    if guard is not None:
+        guard()
     if overwrite:
         write_bytes(fs, path, data)
         return
@@ -59,7 +63,13 @@ def ledger_iterations(fs: fsspec.AbstractFileSystem, ledger_dir: str) -> list[in
     return parse_iter_dirs(ls_names(fs, ledger_dir))
 
 
-def append_metrics(fs: fsspec.AbstractFileSystem, run_dir: str, k: int, row: dict) -> None:
+def append_metrics(
+    fs: fsspec.AbstractFileSystem,
+    run_dir: str,
+    k: int,
+    row: dict,
+    guard: Callable[[], None] | None = None,
+) -> None:
     """Store ``row`` as ``metrics/iter_k.json``, then rebuild ``metrics.jsonl`` from all rows.
 
     The rebuild re-reads after writing and repeats while the set changed, so
@@ -72,6 +82,8 @@ def append_metrics(fs: fsspec.AbstractFileSystem, run_dir: str, k: int, row: dic
         raise StorageError(
             f"metrics row of iteration {k} is not JSON-able ({e}); replace NaN/inf and objects by numbers"
         ) from e
+    if guard is not None:
+        guard()
     write_bytes(fs, join(run_dir, "metrics", f"{iter_name(k)}.json"), (line + "\n").encode())
     rows = read_metrics(fs, run_dir)
     for _ in range(10):
@@ -99,9 +111,15 @@ def _jsonl(rows: list[dict]) -> bytes:
 
 
 def record_serving(
-    fs: fsspec.AbstractFileSystem, engines_dir: str, engine_id: int, version: int
+    fs: fsspec.AbstractFileSystem,
+    engines_dir: str,
+    engine_id: int,
+    version: int,
+    guard: Callable[[], None] | None = None,
 ) -> None:
     rec: dict[str, Any] = {"engine_id": engine_id, "version": version, "updated_at": time.time()}
+    if guard is not None:
+        guard()
     write_bytes(fs, join(engines_dir, engine_name(engine_id)), dumps(rec))
 
 

@@ -10,6 +10,7 @@ either whole or absent, never torn. Only the lease holder should call this.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import fsspec
 
@@ -29,7 +30,11 @@ def gc(
     run_dir: str,
     keep_last: int,
     serving: dict[int, int],
+    guard: Callable[[], None] | None = None,
 ) -> GcReport:
+    """Delete what retention allows. ``guard`` runs before each deletion (the fence
+    check), so a writer that lost the run stops deleting at once."""
+    check = guard or (lambda: None)
     if keep_last < 1:
         raise StorageError(
             f"keep_last must be >= 1, got {keep_last}; retention never deletes everything"
@@ -55,16 +60,19 @@ def gc(
     deleted_v = [v for v in versions if v not in keep_v]
     for v in deleted_v:
         vdir = join(wdir, version_name(v))
+        check()
         rm_file(fs, join(vdir, MANIFEST))  # uncommit first
         rm_tree(fs, vdir)
     deleted_c = [k for k in ckpts if k not in kept_c]
     for k in deleted_c:
         d = join(cdir, iter_name(k))
+        check()
         rm_file(fs, join(d, COMMIT))
         rm_tree(fs, d)
 
     debris = _debris(fs, wdir, cdir, versions, ckpts)
     for path in debris:
+        check()
         rm_tree(fs, path)
     return GcReport(
         deleted_versions=deleted_v,

@@ -13,19 +13,29 @@ Layout::
     engines/engine_000.json          version each engine serves
 
 This is a thin facade: each concern lives in its own module (weights, pull,
-checkpoints, ledger, lease, retention). It holds no cached state, so any
-number of processes may read while the lease holder writes.
+checkpoints, ledger, lease, retention, integrity). It holds no cached state
+but its ``fence``, so any number of processes may read while the lease holder
+writes.
+
+Fencing: a store built with ``fence=N`` (or that acquired the lease, which sets
+it) reads lease.json before every commit it makes (ledger records, weights
+manifest, checkpoint COMMIT, rollouts, metrics, serving records, gc
+deletions, run.json) and raises ``LeaseLostError`` once another writer holds a
+newer fence. ``fence=None`` (readers, tests, maintenance reads) skips the
+check. See ``storage.lease`` for what the check does and does not guarantee.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from typing import Any
+from typing import Any, Literal
 
 import fsspec
 
 from storage import checkpoints as _ckpt
+from storage import integrity as _integrity
 from storage import lease as _lease
 from storage import ledger as _ledger
 from storage import pull as _pull
@@ -38,6 +48,8 @@ from storage.hashio import VerifyingReader
 from storage.layout import LEASE_JSON, RUN_JSON, check_run_name, iter_name, version_name
 from storage.types import GcReport, Lease, WeightsManifest
 
+log = logging.getLogger("storage")
+
 CheckpointWriter = _ckpt.CheckpointWriter
 WeightsWriter = _weights.WeightsWriter
 
@@ -48,12 +60,19 @@ _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID"
 class RunStore:
     """Reads and writes one run's state on any fsspec root (local disk, s3://, ...)."""
 
-    def __init__(self, cfg: StorageConfig, run_name: str):
+    def __init__(self, cfg: StorageConfig, run_name: str, fence: int | None = None):
         self.run_name = check_run_name(run_name)
         fs, root = open_root(cfg.root, cfg.s3)
         self.fs: fsspec.AbstractFileSystem = fs
         self.url = join(root, run_name)  # "{root}/{run}", never with credentials
         self._cfg = cfg
+        self.fence = fence  # lease fence every commit is checked against; None: no check
+
+    def check_fence(self) -> None:
+        """Raise LeaseLostError unless this store's fence is the run's current one
+        (no-op without a fence). Every commit below calls it first."""
+        if self.fence is not None:
+            _lease.check_fence(self.fs, self._p(LEASE_JSON), self.fence)
 
     # -- paths -------------------------------------------------------------------
     def _p(self, *parts: str) -> str:
@@ -81,6 +100,7 @@ class RunStore:
                     f"run.json would contain the value of {var}; remove credentials from the config "
                     "(they are read from the environment and must never be stored)"
                 )
+        self.check_fence()
         write_bytes(self.fs, self._p(RUN_JSON), blob)
 
     def read_run_json(self) -> dict | None:
@@ -94,6 +114,7 @@ class RunStore:
             blob = (json.dumps(data, allow_nan=False, separators=(",", ":")) + "\n").encode()
         except ValueError as e:
             raise StorageError(f"rollouts of iteration {k} are not JSON-able ({e})") from e
+        self.check_fence()
         write_bytes(self.fs, path, blob, exclusive=True)
         return path
 
@@ -102,7 +123,7 @@ class RunStore:
 
     # -- checkpoints -------------------------------------------------------------
     def checkpoint_writer(self, k: int) -> CheckpointWriter:
-        return _ckpt.CheckpointWriter(self.fs, self._ckpt_dir, k)
+        return _ckpt.CheckpointWriter(self.fs, self._ckpt_dir, k, guard=self.check_fence)
 
     def committed_checkpoints(self) -> list[int]:
         return _ckpt.committed_checkpoints(self.fs, self._ckpt_dir)
@@ -122,7 +143,13 @@ class RunStore:
     # -- weights -----------------------------------------------------------------
     def weights_writer(self, version: int, iteration: int, parent: int | None) -> WeightsWriter:
         return _weights.WeightsWriter(
-            self.fs, self._weights_dir, self.run_name, version, iteration, parent
+            self.fs,
+            self._weights_dir,
+            self.run_name,
+            version,
+            iteration,
+            parent,
+            guard=self.check_fence,
         )
 
     def committed_versions(self) -> list[int]:
@@ -135,23 +162,54 @@ class RunStore:
     def read_manifest(self, version: int) -> WeightsManifest:
         return _weights.read_manifest(self.fs, self._weights_dir, version)
 
+    def version_state(self, version: int) -> Literal["committed", "absent", "damaged"]:
+        """committed: manifest valid and every file present at its size; absent: nothing
+        of it exists; damaged: anything else (logged with the reason). Cheap: no hashing."""
+        state, why = _integrity.version_status(self.fs, self._weights_dir, version)
+        if state == "damaged":
+            log.warning("weights version %d is damaged: %s", version, why)
+        return state
+
+    def version_problem(self, version: int) -> str | None:
+        """Why ``version_state`` is not "committed" (a sentence naming the file), or None."""
+        state, why = _integrity.version_status(self.fs, self._weights_dir, version)
+        return None if state == "committed" else why
+
+    def verify_version(self, version: int) -> WeightsManifest:
+        """Hash every file of ``version`` against its manifest; IntegrityError naming the
+        file and the fix on any difference, ManifestError when the manifest is bad."""
+        return _integrity.verify_version(
+            self.fs, self._weights_dir, version, self.read_manifest(version)
+        )
+
     def version_url(self, version: int) -> str:
         return join(self._weights_dir, version_name(version))
 
     def local_version_dir(self, version: int) -> str | None:
         return self.version_url(version) if is_local(self.fs) else None
 
-    def pull_version(self, version: int, cache_dir: str, workers: int = 8, retries: int = 3) -> str:
+    def pull_version(
+        self,
+        version: int,
+        cache_dir: str,
+        workers: int = 8,
+        retries: int = 3,
+        verify_cached: bool = False,
+    ) -> str:
+        """``cache_dir/v000012``, verified while pulled; ``verify_cached`` also hashes a
+        reused cached copy and pulls it again if it changed (see storage.pull)."""
         manifest = self.read_manifest(version)
         return _pull.pull_version(
-            self.fs, self.version_url(version), manifest, cache_dir, workers, retries
+            self.fs, self.version_url(version), manifest, cache_dir, workers, retries, verify_cached
         )
 
     # -- ledger, metrics, engines --------------------------------------------------
     def write_record(
         self, k: int, step: str, record: dict[str, Any], overwrite: bool = False
     ) -> None:
-        _ledger.write_record(self.fs, self._p("ledger"), k, step, record, overwrite)
+        _ledger.write_record(
+            self.fs, self._p("ledger"), k, step, record, overwrite, guard=self.check_fence
+        )
 
     def read_record(self, k: int, step: str) -> dict | None:
         return _ledger.read_record(self.fs, self._p("ledger"), k, step)
@@ -160,33 +218,46 @@ class RunStore:
         return _ledger.committed_steps(self.fs, self._p("ledger"), k)
 
     def append_metrics(self, k: int, row: dict[str, Any]) -> None:
-        _ledger.append_metrics(self.fs, self.url, k, row)
+        _ledger.append_metrics(self.fs, self.url, k, row, guard=self.check_fence)
 
     def read_metrics(self) -> list[dict]:
         return _ledger.read_metrics(self.fs, self.url)
 
     def record_serving(self, engine_id: int, version: int) -> None:
-        _ledger.record_serving(self.fs, self._p("engines"), engine_id, version)
+        _ledger.record_serving(
+            self.fs, self._p("engines"), engine_id, version, guard=self.check_fence
+        )
 
     def serving_versions(self) -> dict[int, int]:
         return _ledger.serving_versions(self.fs, self._p("engines"))
 
     # -- lease -------------------------------------------------------------------
-    def acquire_lease(self, owner: str, ttl_s: float, force: bool = False) -> Lease:
-        return _lease.acquire_lease(self.fs, self._p(LEASE_JSON), owner, ttl_s, force)
+    def acquire_lease(
+        self, owner: str, ttl_s: float, force: bool = False, wait: bool = True
+    ) -> Lease:
+        """Take the lease and fence this store with it; pass ``lease.fence`` to stores built
+        elsewhere. Blocks up to the holder's ttl_s watching a possibly dead holder unless
+        ``wait=False`` (then LeaseHeldError at once); see storage.lease."""
+        lease = _lease.acquire_lease(self.fs, self._p(LEASE_JSON), owner, ttl_s, force, wait)
+        self.fence = lease.fence
+        return lease
 
-    def renew_lease(self, owner: str, ttl_s: float) -> None:
-        _lease.renew_lease(self.fs, self._p(LEASE_JSON), owner, ttl_s)
+    def renew_lease(self, owner: str, ttl_s: float) -> Lease:
+        """LeaseLostError when this store's fence (if any) or ``owner`` no longer holds it."""
+        return _lease.renew_lease(self.fs, self._p(LEASE_JSON), owner, ttl_s, self.fence)
 
     def release_lease(self, owner: str) -> None:
-        _lease.release_lease(self.fs, self._p(LEASE_JSON), owner)
+        """Mark the lease released (its fence is kept, so the next writer gets fence + 1)."""
+        _lease.release_lease(self.fs, self._p(LEASE_JSON), owner, self.fence)
 
     def read_lease(self) -> Lease | None:
         return _lease.read_lease(self.fs, self._p(LEASE_JSON))
 
     # -- retention ---------------------------------------------------------------
     def gc(self, keep_last: int) -> GcReport:
-        return _retention.gc(self.fs, self.url, keep_last, self.serving_versions())
+        return _retention.gc(
+            self.fs, self.url, keep_last, self.serving_versions(), guard=self.check_fence
+        )
 
 
 __all__ = ["RunStore", "CheckpointWriter", "WeightsWriter"]

@@ -85,17 +85,22 @@ class CheckpointCommit(BaseModel):
 
 
 class Lease(BaseModel):
-    """``lease.json``: the one writer of a run, until ``expires_at``."""
+    """``lease.json``: the one writer of a run and its fence (see ``storage.lease``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    owner: str  # who writes, e.g. "flow-run <id> on host"
+    owner: str  # who writes: "host:pid" from tasks (a dead local pid is taken over at once)
     token: str  # random per acquisition; tells two acquisitions by one owner apart
-    acquired_at: float  # unix seconds of this acquisition
-    expires_at: float  # unix seconds; after this anyone may take the lease over
+    acquired_at: float  # unix seconds of this acquisition, by the holder's clock
+    expires_at: float  # holder's clock + ttl; informational: takers never trust clocks
+    fence: int = Field(0, ge=0)  # acquisition number; commits check it (0: written before fencing)
+    ttl_s: float = Field(60.0, gt=0)  # how long a taker must see no renewal before taking over
+    renewals: int = Field(0, ge=0)  # bumped by every renewal; a change = the holder is alive
+    released: bool = False  # released by its holder: free to take at once, fence kept
 
     def live(self, now: float) -> bool:
-        return now < self.expires_at
+        """By ``now``'s clock; only for display. Takeover uses renewals, not clocks."""
+        return not self.released and now < self.expires_at
 
 
 class GcReport(BaseModel):

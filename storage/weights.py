@@ -6,24 +6,31 @@ Local disk: files go to a staging folder, are fsynced, the manifest is written
 and fsynced, then the folder is renamed into place. S3: files are uploaded to
 the version prefix, then the manifest PUT commits. Must never modify a
 committed version.
+
+Failure: a file that fails while written (an exception in its ``with`` block,
+or inside ``write``: disk full) abandons the whole writer at once, removing its
+staging folder (local) or its partial objects (S3, best effort). Staging is
+named ``.tmp-v000012-{host}-{pid}-{uuid}``, so a new writer of the version
+removes what a dead writer of this host left (and any past an hour old).
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import fsspec
-from pydantic import ValidationError
+from fsspec.implementations.local import LocalFileSystem
 
 from storage.errors import ManifestError, StorageError, VersionConflictError
-from storage.fs import dumps, fsync_dir, is_local, join, ls_names, read_bytes, rm_tree, write_bytes
+from storage.fs import dumps, fsync_dir, is_local, join, ls_all, rm_tree, write_bytes
 from storage.hashio import (
     READ_CHUNK,
     HashingWriter,
@@ -31,57 +38,26 @@ from storage.hashio import (
     NullHashingWriter,
     S3HashingWriter,
 )
-from storage.layout import MANIFEST, TMP_PREFIX, check_file_name, parse_version, version_name
+from storage.integrity import verify_dir
+from storage.layout import MANIFEST, TMP_PREFIX, check_file_name, version_name
+from storage.lease import owner_dead_here
+from storage.manifests import committed_versions, parse_manifest, read_manifest
 from storage.types import FileEntry, WeightsManifest
 
+log = logging.getLogger("storage")
 
-def parse_manifest(data: bytes | None, where: str, version: int | None = None) -> WeightsManifest:
-    """Validate manifest bytes; every failure is a ManifestError naming ``where``."""
-    if data is None:
-        raise ManifestError(
-            f"{where} is missing: the version was never committed (or is being deleted)"
-        )
-    try:
-        raw = json.loads(data)
-    except ValueError as e:
-        raise ManifestError(f"{where} is not valid JSON ({e}); republish the version") from e
-    try:
-        m = WeightsManifest.model_validate(raw)
-    except ValidationError as e:
-        raise ManifestError(
-            f"{where} is invalid: {e.errors()[0]['msg']} ({e.error_count()} errors); republish the version"
-        ) from e
-    if version is not None and m.version != version:
-        raise ManifestError(
-            f"{where} says version {m.version}, but its folder is {version_name(version)}"
-        )
-    return m
+# Staging older than this whose writer cannot be identified (another host, an old
+# name) is treated as abandoned; a publish never takes this long.
+_STAGING_GRACE_S = 3600.0
 
-
-def read_manifest(fs: fsspec.AbstractFileSystem, weights_dir: str, version: int) -> WeightsManifest:
-    path = join(weights_dir, version_name(version), MANIFEST)
-    return parse_manifest(read_bytes(fs, path), path, version)
-
-
-def committed_versions(fs: fsspec.AbstractFileSystem, weights_dir: str) -> list[int]:
-    """Versions whose manifest exists and parses; torn or staging folders are skipped."""
-    found = {v: n for n in ls_names(fs, weights_dir) if (v := parse_version(n)) is not None}
-    if not found:
-        return []
-    paths = {join(weights_dir, n, MANIFEST): v for v, n in found.items()}
-    # One concurrent batch on S3 instead of a GET per version.
-    blobs = fs.cat(list(paths), on_error="return")
-    by_name = {k.rstrip("/").rsplit("/", 2)[-2]: b for k, b in blobs.items()}
-    out = []
-    for path, v in paths.items():
-        data = by_name.get(version_name(v))
-        if isinstance(data, bytes):
-            try:
-                parse_manifest(data, path, v)
-            except ManifestError:
-                continue
-            out.append(v)
-    return sorted(out)
+# Re-exported: the engines load folders through storage.weights.
+__all__ = [
+    "WeightsWriter",
+    "committed_versions",
+    "parse_manifest",
+    "read_manifest",
+    "verify_dir",
+]
 
 
 class WeightsWriter:
@@ -102,6 +78,7 @@ class WeightsWriter:
         iteration: int,
         parent: int | None,
         max_inflight_parts: int = 8,
+        guard: Callable[[], None] | None = None,
     ):
         self.fs, self.run, self.version = fs, run, version
         self.iteration, self.parent = iteration, parent
@@ -120,6 +97,8 @@ class WeightsWriter:
         )
         self._failed: str | None = None
         self._finished = False
+        # Called just before the commit (and before deleting anything): the fence check.
+        self._guard = guard or (lambda: None)
         try:
             self._existing: WeightsManifest | None = read_manifest(fs, weights_dir, version)
         except ManifestError:
@@ -127,12 +106,16 @@ class WeightsWriter:
         if self._existing is not None:
             self._stage = ""
         elif self._local:
+            _sweep_stale_staging(weights_dir, version)
+            # host and pid in the name let the next writer tell a dead writer's staging apart.
             self._stage = join(
-                weights_dir, f"{TMP_PREFIX}{version_name(version)}-{uuid.uuid4().hex}"
+                weights_dir,
+                f"{TMP_PREFIX}{version_name(version)}-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex}",
             )
             os.makedirs(self._stage)
         else:
             # Leftovers of an earlier failed attempt are invisible (no manifest) but would mix in.
+            self._guard()
             rm_tree(fs, self._final)
             self._stage = self._final
 
@@ -148,6 +131,11 @@ class WeightsWriter:
             if self._finished:
                 raise StorageError(
                     f"weights writer for {version_name(self.version)} is already committed/aborted"
+                )
+            if self._failed:  # its staging is gone: a new file would recreate and leak it
+                raise StorageError(
+                    f"file {self._failed!r} failed while writing; {version_name(self.version)} "
+                    "was abandoned, publish it again with a new writer"
                 )
             if name in self._open or name in self._done:
                 raise StorageError(
@@ -171,6 +159,7 @@ class WeightsWriter:
         def abort() -> None:  # a file that failed mid-write poisons the whole version
             self._failed = self._failed or name
             orig_abort()
+            self._cleanup()  # a failed writer leaves no staging behind (disk full, ...)
 
         w.abort = abort  # type: ignore[method-assign]
         return w
@@ -211,6 +200,7 @@ class WeightsWriter:
             self._finished = True
         try:
             if self._existing is not None:
+                self._guard()
                 return self._same_or_conflict(self._existing)
             m = WeightsManifest(
                 version=self.version,
@@ -222,6 +212,7 @@ class WeightsWriter:
             )
             if self._local:
                 return self._commit_local(m)
+            self._guard()
             write_bytes(self.fs, join(self._final, MANIFEST), dumps(m.model_dump(mode="json")))
             return m
         except BaseException:
@@ -244,6 +235,7 @@ class WeightsWriter:
             else:  # someone committed meanwhile
                 self._cleanup()
                 return self._same_or_conflict(existing, m)
+        self._guard()
         os.rename(self._stage, self._final)
         fsync_dir(self._weights_dir)
         return m
@@ -274,9 +266,19 @@ class WeightsWriter:
         self._cleanup()
 
     def _cleanup(self) -> None:
-        if self._local and self._stage:
+        if not self._stage:
+            return
+        if self._local:
             shutil.rmtree(self._stage, ignore_errors=True)
-        # On S3 partial objects stay invisible (no manifest); the next attempt or gc removes them.
+            return
+        # S3 writes into the version prefix itself: remove the partial objects unless a
+        # manifest made them a version meanwhile. Best effort: the endpoint may be what failed,
+        # and leftovers stay invisible (no manifest) until the next writer or gc removes them.
+        try:
+            if not self.fs.exists(join(self._final, MANIFEST)):
+                rm_tree(self.fs, self._final)
+        except Exception as e:
+            log.warning("could not remove partial upload %s: %s", self._final, e)
 
     def __enter__(self) -> WeightsWriter:
         return self
@@ -286,6 +288,25 @@ class WeightsWriter:
             self.abort()
         elif not self._finished:
             self.abort()
+
+
+def _sweep_stale_staging(weights_dir: str, version: int) -> None:
+    """Remove staging of ``version`` left by dead writers: those named by this host with
+    a pid that is gone, and any past the grace period. A live writer's is kept."""
+    prefix = f"{TMP_PREFIX}{version_name(version)}-"
+    for name in ls_all(LocalFileSystem(), weights_dir):
+        if not name.startswith(prefix):
+            continue
+        path = join(weights_dir, name)
+        host, _, pid = name[len(prefix) :].rsplit("-", 1)[0].rpartition("-")  # drop the uuid
+        dead = owner_dead_here(f"{host}:{pid}")
+        try:
+            old = time.time() - os.path.getmtime(path) > _STAGING_GRACE_S
+        except FileNotFoundError:
+            continue
+        if dead or old:
+            log.info("removing stale staging %s of a dead writer", path)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _fsync_path(path: str) -> None:

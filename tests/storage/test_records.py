@@ -1,9 +1,8 @@
 import threading
-import time
 
 import pytest
 
-from storage import LeaseHeldError, RunStore, StorageError, VersionConflictError
+from storage import RunStore, StorageError, VersionConflictError
 
 
 def test_ledger_records(store):
@@ -59,51 +58,9 @@ def test_two_concurrent_appenders_lose_no_lines(cfg):
     assert len(lines) == n
 
 
-def test_lease_held_expired_force(store):
-    lease = store.acquire_lease("alice", ttl_s=30)
-    assert lease.owner == "alice"
-    store.acquire_lease("alice", ttl_s=30)  # same owner: fine
-    with pytest.raises(LeaseHeldError, match=r"alice.*force=True"):
-        store.acquire_lease("bob", ttl_s=30)
-    store.renew_lease("alice", ttl_s=30)
-    bob = store.acquire_lease("bob", ttl_s=30, force=True)
-    assert store.read_lease().token == bob.token
-    with pytest.raises(LeaseHeldError, match="lost"):
-        store.renew_lease("alice", ttl_s=30)
-    store.release_lease("alice")  # not alice's: left alone
-    assert store.read_lease().owner == "bob"
-    store.release_lease("bob")
-    assert store.read_lease() is None
-    store.acquire_lease("carol", ttl_s=0.05)
-    time.sleep(0.1)
-    assert store.acquire_lease("dave", ttl_s=30).owner == "dave"  # expired: taken over
-
-
 def test_serving_records(store):
     assert store.serving_versions() == {}
     store.record_serving(0, 3)
     store.record_serving(1, 2)
     store.record_serving(0, 4)
     assert store.serving_versions() == {0: 4, 1: 2}
-
-
-def test_racing_acquirers_only_one_wins(cfg):
-    stores = [RunStore(cfg, "run1") for _ in range(4)]
-    won, lost = [], []
-    barrier = threading.Barrier(len(stores))
-
-    def go(i):
-        barrier.wait()
-        try:
-            stores[i].acquire_lease(f"w{i}", ttl_s=30)
-            won.append(i)
-        except LeaseHeldError:
-            lost.append(i)
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(stores))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(won) == 1 and len(lost) == 3
-    assert stores[0].read_lease().owner == f"w{won[0]}"
