@@ -35,7 +35,13 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM  # 
 from rollout.types import RolloutBatch, Sample  # noqa: E402
 from storage.config import StorageConfig  # noqa: E402
 from storage.run_store import RunStore  # noqa: E402
-from training.config import ModelConfig, TrainConfig  # noqa: E402
+from training.config import (  # noqa: E402
+    ModelConfig,
+    RunIdentity,
+    TrainConfig,
+    TrainerSections,
+    WeightsConfig,
+)
 from training.group import actor_class  # noqa: E402
 from training.tiny_model import write_tiny_model  # noqa: E402
 
@@ -121,9 +127,11 @@ def bench_model(
         torch_threads=torch.get_num_threads(),
         num_gpus_per_worker=1.0 if device == "cuda" else 0.0,
     )
-    actor = actor_class(backend)(
-        0, 1, "127.0.0.1", 0, cfg, ModelConfig(dtype=dtype), store_cfg, name, seed=0
+    sections = TrainerSections(
+        train=cfg, model=ModelConfig(dtype=dtype), storage=store_cfg, weights=WeightsConfig()
     )
+    identity = RunIdentity(name=name, seed=0, namespace="prefect-rl")
+    actor = actor_class(backend)(identity, sections, 0, "127.0.0.1", 0)
     actor.setup()
     actor.init_from_base(str(path))
 

@@ -68,15 +68,27 @@ def bench_size(
     from engines.config import EngineConfig
     from engines.group import EngineGroup
     from storage.config import StorageConfig
-    from training.config import ModelConfig, TrainConfig
+    from training.config import (
+        ModelConfig,
+        RunIdentity,
+        TrainConfig,
+        TrainerSections,
+        WeightsConfig,
+    )
     from training.group import TrainGroup
 
     base = Path(tempfile.mkdtemp(prefix="bench-transport-"))
     model_dir = write_model(base / "model", size_mb, dtype)
     run = f"bench-transport-{uuid.uuid4().hex[:6]}"
     storage = StorageConfig(root=str(base / "runs"))
+    sections = TrainerSections(
+        train=TrainConfig(num_gpus_per_worker=gpus),
+        model=ModelConfig(dtype=dtype),
+        storage=storage,
+        weights=WeightsConfig(),
+    )
     trainer = TrainGroup(
-        run, TrainConfig(num_gpus_per_worker=gpus), ModelConfig(dtype=dtype), storage, 0
+        RunIdentity(name=run, seed=0, namespace="prefect-rl"), sections, placement=None
     )
     engines = EngineGroup(run, EngineConfig(num_gpus_per_engine=gpus, health_timeout_s=300))
     rows = []

@@ -1,13 +1,16 @@
 """Training: the Ray train group, the train actor, the torch backend and losses.
 
 Contracts:
-- ``TrainGroup`` (driver side) holds names and config only and pickles into any
-  task. Actors are ``{run}/train/{rank}`` (namespace ``prefect-rl``, detached) on
-  one placement group ``{run}/train-pg``, or colocated on bundle ``rank`` of
+- ``TrainGroup(identity, sections, placement=...)`` (driver side) holds a
+  ``RunIdentity`` and the ``TrainerSections`` it hands every rank whole, and
+  pickles into any task. Actors are ``{run}/train/{rank}`` (detached, in
+  ``identity.namespace``) on one placement group ``{run}/train-pg``, or
+  colocated on bundle ``rank`` of
   the run's shared ``{run}/colocate-pg`` (``engines.placement``), where
   ``offload``/``onload`` take turns with the engines. ``ensure_state(k)`` is the recovery
   primitive: restore the newest verifying checkpoint <= k, replay persisted
-  rollouts; a no-op when the ranks already hold k.
+  rollouts; a no-op when the ranks already hold k. Its result's ``warnings``
+  lists corrupt checkpoints it skipped, for the caller to show.
 - ``TrainActor.train_step(k)`` needs trainer state k-1 (else StateMismatchError)
   and rollouts k in the run store; it never generates.
 - Same config + same world size on CPU -> byte-identical weights.

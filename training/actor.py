@@ -20,13 +20,12 @@ from typing import Any
 import torch
 
 from rollout.types import RolloutBatch
-from storage.config import StorageConfig
 from training import backend_torch as bt
 from training import checkpoint
+from training.algorithm import policy_loss
 from training.batch import build_train_batch, micro_batches, rank_slice
-from training.config import ModelConfig, TrainConfig, WeightsConfig
+from training.config import RunIdentity, TrainerSections
 from training.export import drop_tied, manifest_dict, write_hf_weights
-from training.losses import grpo_loss
 
 
 class StateMismatchError(RuntimeError):
@@ -40,23 +39,20 @@ def step_seed(seed: int, k: int, rank: int) -> int:
 class TrainActor:
     def __init__(
         self,
+        identity: RunIdentity,
+        sections: TrainerSections,
         rank: int,
-        world_size: int,
         master_addr: str,
         master_port: int,
-        train_cfg: TrainConfig,
-        model_cfg: ModelConfig,
-        storage_cfg: StorageConfig,
-        run_name: str,
-        seed: int,
-        weights_cfg: WeightsConfig | None = None,
     ) -> None:
-        self.weights_cfg = weights_cfg or WeightsConfig()
-        self.rank, self.world_size = rank, world_size
+        self.identity, self.sections = identity, sections
+        # The world size is train.num_workers: one source, so no rank can disagree with its group.
+        self.rank, self.world_size = rank, sections.train.num_workers
         self.master_addr, self.master_port = master_addr, master_port
-        self.cfg, self.model_cfg, self.storage_cfg = train_cfg, model_cfg, storage_cfg
-        self.run_name, self.seed = run_name, seed
-        self.device = bt.pick_device(train_cfg.num_gpus_per_worker)
+        self.cfg, self.model_cfg = sections.train, sections.model
+        self.storage_cfg, self.weights_cfg = sections.storage, sections.weights
+        self.run_name, self.seed = identity.name, identity.seed
+        self.device = bt.pick_device(self.cfg.num_gpus_per_worker)
         self.model: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
         self.optim: torch.optim.Optimizer | None = None
@@ -251,7 +247,7 @@ class TrainActor:
                 f"no persisted rollouts for iteration {k} in run {self.run_name!r}; "
                 f"run rollout({k}) before train({k})"
             )
-        full = build_train_batch(RolloutBatch.from_json(data), self.pad_id)
+        full = build_train_batch(RolloutBatch.from_json(data), self.pad_id, self.cfg.loss)
         dp_rank = self._data_parallel_rank()
         start, end = rank_slice(full.size, dp_rank, self._data_parallel_size())
         mbs = micro_batches(full.rows(start, end), self.cfg.micro_batch_size)
@@ -315,17 +311,17 @@ class TrainActor:
                 with_entropy=True,
                 entropy_grad=lc.entropy_coef > 0,
             )
-            loss, m = grpo_loss(
+            loss, m = policy_loss(
+                lc,
                 lp,
                 old[i],
                 mb.advantages,
                 mb.loss_mask,
-                lc.clip_eps,
                 ref_logprobs=ref[i] if ref else None,
-                kl_coef=lc.kl_coef,
                 entropy=ent,
-                entropy_coef=lc.entropy_coef,
                 num_tokens=denom,
+                # Equal rows per rank (rank_slice), so these rows are the global count / dp.
+                num_sequences=sum(b.size for b in mbs),
             )
             loss.backward()
             n = float(mb.loss_mask.sum())

@@ -19,7 +19,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from rollout.types import RolloutBatch
-from training.advantages import grpo_advantages
+from training.algorithm import filter_loss_mask, sample_advantages
+from training.config import LossConfig
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,11 @@ class TrainBatch:
         return TrainBatch(**out)
 
 
-def build_train_batch(batch: RolloutBatch, pad_id: int, normalize_std: bool = True) -> TrainBatch:
-    """Tensors for ``batch``; advantages are computed over the whole batch's groups."""
+def build_train_batch(
+    batch: RolloutBatch, pad_id: int, loss_cfg: LossConfig | None = None
+) -> TrainBatch:
+    """Tensors for ``batch``; advantages (``loss_cfg.advantage``, default GRPO) are
+    computed over the whole batch's groups."""
     if not batch.samples:
         raise ValueError(f"rollout batch of iteration {batch.iteration} has no samples")
     seqs = [list(s.prompt_ids) + list(s.response_ids) for s in batch.samples]
@@ -72,7 +76,10 @@ def build_train_batch(batch: RolloutBatch, pad_id: int, normalize_std: bool = Tr
         if r and len(s.response_logprobs) == r:
             rollout_lp[i, p - 1 : p + r - 1] = torch.tensor(s.response_logprobs)
     rewards = torch.tensor(batch.rewards, dtype=torch.float32)
-    advantages = grpo_advantages(rewards, batch.n_samples_per_prompt, normalize_std=normalize_std)
+    cfg = LossConfig() if loss_cfg is None else loss_cfg
+    lengths = torch.tensor([len(s.response_ids) for s in batch.samples])
+    advantages = sample_advantages(cfg, rewards, batch.n_samples_per_prompt, lengths)
+    loss_mask = filter_loss_mask(cfg, loss_mask, [s.finish_reason for s in batch.samples])
     return TrainBatch(input_ids, attention, loss_mask, rollout_lp, advantages, rewards)
 
 

@@ -1,19 +1,113 @@
-"""Train section of the run config."""
+"""The sections training owns (train, model, weights) and what a train group is built from.
+
+``TrainGroup`` and every ``TrainActor`` receive exactly two settings objects:
+a ``RunIdentity`` (run-level names, not a section) and ``TrainerSections`` (the
+sections the trainer reads, whole). Both are required, so a caller cannot
+forget a section and have the trainer fall back to its defaults.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from storage.config import StorageConfig
 
 
 class LossConfig(BaseModel):
+    """Policy loss (``kind``) and advantage estimator (``advantage``), each chosen on
+    its own; ``training.algorithm`` maps them onto the pure functions. Settings
+    of a kind that is not chosen must stay at their defaults (no silent no-ops)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["grpo"] = "grpo"
-    clip_eps: float = Field(0.2, gt=0)
+    kind: Literal["grpo", "dr_grpo", "gspo", "dapo"] = Field(
+        "grpo",
+        description="grpo: token-level PPO-clip (clip_eps); dr_grpo: PPO-clip summed per "
+        "sequence over a constant max_response_tokens; gspo: sequence-level ratio and clip "
+        "(gspo_clip_eps_low/high); dapo: decoupled clip (clip_eps_low/high), token-level",
+    )
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "grpo",
+        description="grpo: (r - group mean) / group std; dr_grpo: r - group mean; rloo: r "
+        "minus the mean of the other samples of its prompt; reinforce_pp: r normalised over "
+        "the batch; reinforce_pp_baseline: r - group mean, normalised by the batch std",
+    )
+    clip_eps: float = Field(0.2, gt=0, description="grpo / dr_grpo ratio clip: [1 - eps, 1 + eps]")
+    clip_eps_low: float = Field(0.2, gt=0, lt=1, description="dapo lower clip: ratio >= 1 - this")
+    clip_eps_high: float = Field(
+        0.28, gt=0, description="dapo upper clip (clip-higher): ratio <= 1 + this"
+    )
+    gspo_clip_eps_low: float = Field(
+        3e-4, gt=0, lt=1, description="gspo lower clip of the sequence ratio (paper: 3e-4)"
+    )
+    gspo_clip_eps_high: float = Field(
+        4e-4, gt=0, description="gspo upper clip of the sequence ratio (paper: 4e-4)"
+    )
+    max_response_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="The generation budget, i.e. rollout.max_new_tokens: dr_grpo's constant "
+        "per-sequence denominator and the L_max of the overlong penalty",
+    )
+    overlong_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="DAPO soft overlong penalty: reward falls linearly to -1 over the last N "
+        "tokens before max_response_tokens; None disables it",
+    )
+    overlong_filter: bool = Field(
+        False, description="DAPO overlong filtering: truncated samples get no loss"
+    )
     kl_coef: float = Field(0.0, ge=0, description="k3 KL to the frozen reference; 0 disables it")
     entropy_coef: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> LossConfig:
+        unused = {
+            "clip_eps_low": "dapo",
+            "clip_eps_high": "dapo",
+            "gspo_clip_eps_low": "gspo",
+            "gspo_clip_eps_high": "gspo",
+        }
+        for name, kind in unused.items():
+            # Compared with the default, not model_fields_set, so a dumped and
+            # reloaded config (run.json) validates the same way.
+            if self.kind != kind and getattr(self, name) != type(self).model_fields[name].default:
+                raise ValueError(
+                    f"train.loss.{name} only applies to kind: {kind}, but kind is "
+                    f"{self.kind!r}; set kind: {kind} or remove {name}"
+                )
+        for low, high in (
+            ("clip_eps_low", "clip_eps_high"),
+            ("gspo_clip_eps_low", "gspo_clip_eps_high"),
+        ):
+            if getattr(self, high) < getattr(self, low):
+                raise ValueError(
+                    f"train.loss.{high} ({getattr(self, high)}) is below {low} "
+                    f"({getattr(self, low)}); set {high} >= {low} (the paper widens the upper side)"
+                )
+        if self.kind == "dr_grpo" and self.max_response_tokens is None:
+            raise ValueError(
+                "train.loss.kind dr_grpo divides by a constant token budget; "
+                "set train.loss.max_response_tokens to rollout.max_new_tokens"
+            )
+        if self.kind == "dr_grpo" and "advantage" not in self.model_fields_set:
+            raise ValueError(
+                "train.loss.kind dr_grpo with the default advantage (grpo) keeps the std "
+                "normalisation Dr. GRPO removes; set train.loss.advantage: dr_grpo, or "
+                "advantage: grpo explicitly to ablate it"
+            )
+        if self.overlong_buffer is not None and (
+            self.max_response_tokens is None or self.overlong_buffer > self.max_response_tokens
+        ):
+            raise ValueError(
+                f"train.loss.overlong_buffer {self.overlong_buffer} needs max_response_tokens "
+                f"(got {self.max_response_tokens}) at least as large; set max_response_tokens "
+                "to rollout.max_new_tokens"
+            )
+        return self
 
 
 class MegatronConfig(BaseModel):
@@ -73,3 +167,39 @@ class WeightsConfig(BaseModel):
     )
     publish_interval: int = Field(1, ge=1)
     flush_cache_interval: int = Field(1, ge=1, description="Flush engine caches every N versions")
+
+
+class RunIdentity(BaseModel):
+    """Who the trainer works for: run name (storage folder and actor names), seed
+    and the Ray namespace its named actors live in."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    seed: int
+    namespace: str
+
+
+class _HasTrainerSections(Protocol):
+    # RunConfig satisfies this; training does not import flows (it sits below them).
+    train: TrainConfig
+    model: ModelConfig
+    storage: StorageConfig
+    weights: WeightsConfig
+
+
+class TrainerSections(BaseModel):
+    """Every config section the train group and its actors read, passed whole to
+    each rank (it pickles), so a key the user sets always reaches the trainer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    train: TrainConfig
+    model: ModelConfig
+    storage: StorageConfig
+    weights: WeightsConfig
+
+    @classmethod
+    def of(cls, run_cfg: _HasTrainerSections) -> TrainerSections:
+        """The trainer's sections of a ``RunConfig`` (one call, nothing left out)."""
+        return cls(**{name: getattr(run_cfg, name) for name in cls.model_fields})

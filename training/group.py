@@ -3,7 +3,7 @@
 Owns the Ray side of training: one detached placement group
 ``{run}/train-pg`` (one bundle per rank, PACK) or, colocated, bundle ``rank``
 of the run's shared group (``engines.placement``, never removed here), detached
-named actors ``{run}/train/{rank}`` in namespace ``prefect-rl``, and
+named actors ``{run}/train/{rank}`` in the run's Ray namespace, and
 ``ensure_state(k)``, the recovery primitive. Holds only names and config, so
 it pickles into any task; handles are looked up by name on every call. Never
 generates rollouts (replay uses the persisted ones) and never imports Prefect.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from typing import Any
 
 import ray
@@ -22,15 +21,13 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engines.placement import SharedPlacement
-from storage.config import StorageConfig
 from training.actor import TrainActor
-from training.config import ModelConfig, TrainConfig, WeightsConfig
+from training.config import RunIdentity, TrainerSections
 
 log = logging.getLogger(__name__)
 # How long a new train placement group may wait for resources before the step
 # fails with a message (rather than hanging while other actors hold the CPUs).
 PG_READY_TIMEOUT_S = 120.0
-NAMESPACE = "prefect-rl"
 
 
 @ray.remote(num_cpus=0)
@@ -56,18 +53,16 @@ def actor_class(backend: str) -> type[TrainActor]:
 class TrainGroup:
     def __init__(
         self,
-        run_name: str,
-        train_cfg: TrainConfig,
-        model_cfg: ModelConfig,
-        storage_cfg: StorageConfig,
-        seed: int,
-        namespace: str = NAMESPACE,
-        weights_cfg: WeightsConfig | None = None,
-        placement: SharedPlacement | None = None,
+        identity: RunIdentity,
+        sections: TrainerSections,
+        *,
+        placement: SharedPlacement | None,
     ) -> None:
-        self.run_name, self.seed, self.namespace = run_name, seed, namespace
-        self.train_cfg, self.model_cfg, self.storage_cfg = train_cfg, model_cfg, storage_cfg
-        self.weights_cfg = weights_cfg or WeightsConfig()
+        """``placement`` is required (None when disaggregated) so a colocated caller
+        cannot forget it and have the ranks take devices of their own."""
+        self.identity, self.sections = identity, sections
+        self.run_name, self.seed, self.namespace = identity.name, identity.seed, identity.namespace
+        self.train_cfg, self.storage_cfg = sections.train, sections.storage
         self.placement = placement  # colocated: the shared group the ranks sit in
 
     @property
@@ -102,18 +97,7 @@ class TrainGroup:
                 num_cpus=cfg.num_cpus_per_worker,
                 num_gpus=cfg.num_gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, self._bundle(rank)),
-            ).remote(
-                rank,
-                self.world_size,
-                addr,
-                port,
-                cfg,
-                self.model_cfg,
-                self.storage_cfg,
-                self.run_name,
-                self.seed,
-                self.weights_cfg,
-            )
+            ).remote(self.identity, self.sections, rank, addr, port)
             for rank in range(self.world_size)
         ]
         ray.get([a.setup.remote() for a in actors])
@@ -220,38 +204,49 @@ class TrainGroup:
         recreate the ranks, restore the newest committed checkpoint c <= k that
         verifies (older ones if it is corrupt; base weights if none), then
         replay train_step(c+1..k) over the persisted rollouts.
+
+        Returns ``restored_from``, ``replayed``, ``recreated`` and ``warnings``:
+        one message per corrupt checkpoint skipped, naming the one used instead.
+        The caller shows them (a Ray worker's log is not where a user looks).
         """
         its = self._iterations()
         if its is not None and all(i == k for i in its):
-            return {"restored_from": None, "replayed": [], "recreated": False}
+            return {"restored_from": None, "replayed": [], "recreated": False, "warnings": []}
         log.warning("train group %s holds %s, needs %d: rebuilding", self.run_name, its, k)
         self.create(base_model_path)
-        c = self._restore_point(k)
+        c, skipped = self._restore_point(k)
         if c > 0:
             ray.get([a.load_checkpoint.remote(c) for a in self.actors()])
         replayed = []
         for j in range(c + 1, k + 1):
             self.train(j)
             replayed.append(j)
-        return {"restored_from": c, "replayed": replayed, "recreated": True}
+        used = f"checkpoint {c}" if c > 0 else "the base weights (no older checkpoint verifies)"
+        replay = f" and replayed iterations {c + 1}..{k}" if replayed else ""
+        msgs = [
+            f"checkpoint {bad} of run {self.run_name!r} is corrupt ({why}); "
+            f"restored from {used}{replay} instead"
+            for bad, why in skipped
+        ]
+        for msg in msgs:
+            log.warning(msg)
+        return {"restored_from": c, "replayed": replayed, "recreated": True, "warnings": msgs}
 
-    def _restore_point(self, k: int) -> int:
-        """Newest committed checkpoint <= k that verifies; 0 (base weights) if none."""
+    def _restore_point(self, k: int) -> tuple[int, list[tuple[int, str]]]:
+        """Newest committed checkpoint <= k that verifies (0, base weights, if none)
+        and the newer corrupt ones skipped, each with why it failed."""
         from storage.errors import IntegrityError
         from storage.run_store import RunStore
 
         store = RunStore(self.storage_cfg, self.run_name)
+        skipped: list[tuple[int, str]] = []
         for c in sorted((c for c in store.committed_checkpoints() if 0 < c <= k), reverse=True):
             try:
                 store.verify_checkpoint(c)
-                return c
+                return c, skipped
             except IntegrityError as e:
-                msg = (
-                    f"checkpoint {c} of run {self.run_name!r} is corrupt ({e}); trying an older one"
-                )
-                log.warning(msg)
-                warnings.warn(msg, RuntimeWarning, stacklevel=2)
-        return 0
+                skipped.append((c, str(e)))
+        return 0, skipped
 
     # -- steps -------------------------------------------------------------
     def train(self, k: int) -> dict[str, float]:

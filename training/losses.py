@@ -1,8 +1,11 @@
-"""GRPO policy loss: PPO-clip at token level, optional k3 KL and entropy bonus.
+"""Policy losses: GRPO, DAPO and Dr. GRPO (token-level PPO-clip) and GSPO (sequence-level).
 
 Owns the loss maths only: pure functions over tensors. Never touches models,
-optimizers, storage or Ray. What it leaves out: no critic, no sequence-level
-(GSPO) ratio, no dual-clip.
+optimizers, storage, config or Ray (``training.algorithm`` maps the config onto
+these). Token tensors are [B, T] (``mask`` 1 on response tokens), ``advantages``
+is [B]: every loss here broadcasts one advantage per sequence, as GRPO does.
+What all of them leave out: no critic, no dual-clip, no off-policy correction
+between the engine's and the trainer's logprobs.
 """
 
 from __future__ import annotations
@@ -14,6 +17,64 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || ref): exp(ref - lp) - (ref - lp) - 1 (>= 0)."""
     d = ref_logprobs - logprobs
     return torch.exp(d) - d - 1
+
+
+def _regularise(
+    per_token: torch.Tensor,
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    count: torch.Tensor,
+    metrics: dict[str, float],
+    ref_logprobs: torch.Tensor | None,
+    kl_coef: float,
+    entropy: torch.Tensor | None,
+    entropy_coef: float,
+) -> torch.Tensor:
+    """Add the k3 KL penalty and subtract the entropy bonus per token; log both."""
+    if ref_logprobs is not None:
+        kl = k3_kl(logprobs, ref_logprobs)
+        metrics["kl"] = float((kl.detach() * mask).sum() / count)
+        if kl_coef > 0:
+            per_token = per_token + kl_coef * kl
+    if entropy is not None:
+        metrics["entropy"] = float((entropy.detach() * mask).sum() / count)
+        if entropy_coef > 0:
+            per_token = per_token - entropy_coef * entropy
+    return per_token
+
+
+def _token_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    denom: float | None,
+    ref_logprobs: torch.Tensor | None,
+    kl_coef: float,
+    entropy: torch.Tensor | None,
+    entropy_coef: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Sum over masked tokens of the PPO-clip term (ratio clipped to
+    [1 - clip_low, 1 + clip_high]) divided by ``denom`` (default: masked tokens)."""
+    mask = mask.to(logprobs.dtype)
+    count = mask.sum().clamp(min=1.0)
+    denom_t = count if denom is None else torch.as_tensor(float(denom))
+    adv = advantages.to(logprobs.dtype).unsqueeze(1)
+
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    metrics = {
+        "pg_loss": float((per_token.detach() * mask).sum() / count),
+        "clip_frac": float(((clipped > unclipped).to(mask.dtype) * mask).sum() / count),
+    }
+    per_token = _regularise(
+        per_token, logprobs, mask, count, metrics, ref_logprobs, kl_coef, entropy, entropy_coef
+    )
+    return (per_token * mask).sum() / denom_t, metrics
 
 
 def grpo_loss(
@@ -28,38 +89,141 @@ def grpo_loss(
     entropy_coef: float = 0.0,
     num_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip loss over tokens; all token tensors are [B, T], ``advantages`` is [B].
+    """GRPO (Shao et al. 2024, DeepSeekMath) PPO-clip loss with a symmetric ``clip_eps``.
 
-    Normalisation: token-level (DAPO-style) — the sum of per-token terms over
-    masked tokens divided by ``num_tokens``, which defaults to the masked token
-    count here. Callers that split a batch into micro-batches or ranks pass the
-    global token count so the summed gradients equal the whole-batch mean.
+    Unlike the paper's per-sequence mean (1/|o_i|), it aggregates at token level
+    (as DAPO does): the sum of per-token terms over masked tokens divided by
+    ``num_tokens``, which defaults to the masked token count. Callers that split
+    a batch into micro-batches or ranks pass the global token count so the
+    summed gradients equal the whole-batch mean. KL is the k3 estimator, as in
+    the paper, but only when ``kl_coef`` > 0.
 
     Metrics are means over this call's masked tokens: ``pg_loss``, ``clip_frac``
     (tokens where the clipped branch is the active one), ``kl`` (k3, when
     ``ref_logprobs`` is given) and ``entropy`` (when given).
     """
-    mask = mask.to(logprobs.dtype)
-    count = mask.sum().clamp(min=1.0)
-    denom = count if num_tokens is None else torch.as_tensor(float(num_tokens))
-    adv = advantages.to(logprobs.dtype).unsqueeze(1)
+    reg = (ref_logprobs, kl_coef, entropy, entropy_coef)
+    return _token_clip_loss(
+        logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps, num_tokens, *reg
+    )
 
-    ratio = torch.exp(logprobs - old_logprobs)
+
+def dapo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    num_tokens: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DAPO (Yu et al. 2025) loss: decoupled clip ("clip-higher"), token-level mean.
+
+    The ratio is clipped to [1 - clip_eps_low, 1 + clip_eps_high] (the paper:
+    0.2 / 0.28) and terms are summed over tokens and divided by ``num_tokens``
+    as in ``grpo_loss``, so equal eps give exactly ``grpo_loss``. The paper
+    drops the KL term; it is kept here only when ``kl_coef`` > 0. Dynamic
+    sampling belongs to the rollout, and the overlong penalty and filter to
+    ``training.shaping``; neither is part of this function.
+    """
+    reg = (ref_logprobs, kl_coef, entropy, entropy_coef)
+    return _token_clip_loss(
+        logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_high, num_tokens, *reg
+    )
+
+
+def dr_grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    max_tokens: int,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    num_sequences: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training") loss.
+
+    PPO-clip per token, summed over each sequence's tokens and divided by the
+    constant generation budget ``max_tokens`` instead of the sequence's length,
+    then averaged over ``num_sequences`` (default: rows here; callers that split
+    a batch pass the global count). The loss is sum / (num_sequences *
+    max_tokens), so a long wrong answer is not penalised less per token than a
+    short one. The other half of Dr. GRPO, no std normalisation, is the
+    ``dr_grpo`` advantage estimator, not this function.
+    """
+    rows = logprobs.shape[0] if num_sequences is None else num_sequences
+    denom = float(rows) * max_tokens
+    reg = (ref_logprobs, kl_coef, entropy, entropy_coef)
+    return _token_clip_loss(
+        logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps, denom, *reg
+    )
+
+
+def sequence_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """GSPO's importance ratio per sequence [B]: exp(mean over masked tokens of
+    (lp - old)), i.e. the geometric mean of the token ratios. 1 for an empty row."""
+    mask = mask.to(logprobs.dtype)
+    lengths = mask.sum(dim=1).clamp(min=1.0)
+    return torch.exp(((logprobs - old_logprobs) * mask).sum(dim=1) / lengths)
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    num_sequences: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization") loss.
+
+    One ratio per sequence, s_i = ``sequence_ratio`` (length-normalised), clipped
+    to [1 - clip_eps_low, 1 + clip_eps_high] (the paper: 3e-4 / 4e-4), and the
+    sequence term max(-A s, -A clip(s)) averaged over ``num_sequences`` (default:
+    rows here). The paper has no KL or entropy term; when their coefficients are
+    set they are added as each sequence's token mean, so every sequence still
+    weighs the same. Rows without response tokens contribute nothing. This is
+    plain GSPO, not the GSPO-token variant with per-token advantages.
+
+    Metrics are token-weighted (each token carries its sequence's value), so the
+    trainer can sum them with the token losses' metrics: ``pg_loss``,
+    ``clip_frac`` (share of tokens whose sequence ratio was clipped), ``kl``,
+    ``entropy``.
+    """
+    mask = mask.to(logprobs.dtype)
+    lengths = mask.sum(dim=1)
+    has_tokens = (lengths > 0).to(mask.dtype)
+    count = lengths.sum().clamp(min=1.0)
+    rows = logprobs.shape[0] if num_sequences is None else num_sequences
+    adv = advantages.to(logprobs.dtype)
+
+    ratio = sequence_ratio(logprobs, old_logprobs, mask)
     unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-    per_token = torch.maximum(unclipped, clipped)
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    per_seq = torch.maximum(unclipped, clipped) * has_tokens
     metrics = {
-        "pg_loss": float((per_token.detach() * mask).sum() / count),
-        "clip_frac": float(((clipped > unclipped).to(mask.dtype) * mask).sum() / count),
+        "pg_loss": float((per_seq.detach() * lengths).sum() / count),
+        "clip_frac": float(((clipped > unclipped).to(mask.dtype) * lengths).sum() / count),
     }
-    if ref_logprobs is not None:
-        kl = k3_kl(logprobs, ref_logprobs)
-        metrics["kl"] = float((kl.detach() * mask).sum() / count)
-        if kl_coef > 0:
-            per_token = per_token + kl_coef * kl
-    if entropy is not None:
-        metrics["entropy"] = float((entropy.detach() * mask).sum() / count)
-        if entropy_coef > 0:
-            per_token = per_token - entropy_coef * entropy
-    loss = (per_token * mask).sum() / denom
-    return loss, metrics
+    # The regularisers are token terms; zero start so only they are summed per row.
+    zero = torch.zeros_like(logprobs)
+    reg = _regularise(
+        zero, logprobs, mask, count, metrics, ref_logprobs, kl_coef, entropy, entropy_coef
+    )
+    per_seq = per_seq + (reg * mask).sum(dim=1) / lengths.clamp(min=1.0)
+    return per_seq.sum() / float(rows), metrics

@@ -14,7 +14,7 @@ import torch
 from engines.config import EngineConfig
 from engines.group import EngineGroup
 from storage.config import StorageConfig
-from training.config import ModelConfig, TrainConfig
+from training.config import ModelConfig, RunIdentity, TrainConfig, TrainerSections, WeightsConfig
 from training.group import TrainGroup
 from training.tiny_model import write_tiny_model
 
@@ -23,8 +23,12 @@ def _handoff(tmp_path, tiny_model_dir: str, gpus: float) -> dict:
     run = f"handoff-{uuid.uuid4().hex[:6]}"
     other = str(write_tiny_model(tmp_path / "other", seed=1))  # the engine starts here
     train_cfg = TrainConfig(num_cpus_per_worker=0.5, num_gpus_per_worker=gpus)
+    storage = StorageConfig(root=str(tmp_path / "runs"))
+    sections = TrainerSections(
+        train=train_cfg, model=ModelConfig(), storage=storage, weights=WeightsConfig()
+    )
     trainer = TrainGroup(
-        run, train_cfg, ModelConfig(), StorageConfig(root=str(tmp_path / "runs")), 0
+        RunIdentity(name=run, seed=0, namespace="prefect-rl"), sections, placement=None
     )
     engines = EngineGroup(run, EngineConfig(num_cpus_per_engine=0.5, num_gpus_per_engine=gpus))
     try:

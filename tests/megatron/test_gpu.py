@@ -23,7 +23,7 @@ from storage.run_store import RunStore  # noqa: E402
 from training.actor import TrainActor  # noqa: E402
 from training.backend_torch import token_logprobs  # noqa: E402
 from training.batch import build_train_batch  # noqa: E402
-from training.config import ModelConfig, TrainConfig  # noqa: E402
+from training.config import ModelConfig, RunIdentity, TrainConfig, TrainerSections, WeightsConfig  # noqa: E402
 from training.losses import grpo_loss  # noqa: E402
 from training.megatron.actor import MegatronTrainActor  # noqa: E402
 from training.megatron.model import build_gpt, full_hf_state, init_parallel, load_hf_state, wrap  # noqa: E402
@@ -101,7 +101,11 @@ def make_actor(cls, qwen2_dir: str, root: str, name: str, dtype: str = "bfloat16
         lr=1e-3,
         micro_batch_size=16,
     )
-    actor = cls(0, 1, "127.0.0.1", 0, cfg, ModelConfig(dtype=dtype), store_cfg, name, seed=0)
+    sections = TrainerSections(
+        train=cfg, model=ModelConfig(dtype=dtype), storage=store_cfg, weights=WeightsConfig()
+    )
+    identity = RunIdentity(name=name, seed=0, namespace="prefect-rl")
+    actor = cls(identity, sections, 0, "127.0.0.1", 0)
     actor.setup()
     actor.init_from_base(qwen2_dir)
     return actor

@@ -9,6 +9,7 @@ it can.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import ray
@@ -82,7 +83,7 @@ def _corrupt_last_byte(path: str) -> None:
 
 def test_kill_restore_replay_is_byte_identical(reference, tiny_model, storage_cfg):
     """Checkpoints 1 and 2 (2 corrupt), actors killed at state 3: ensure_state(3)
-    warns, restores 1, replays 2..3 and publishes the reference's bytes."""
+    reports the corrupt one in its result's warnings, restores 1, replays 2..3 and publishes the reference's bytes."""
     run = "rec1"
     write_rollouts(storage_cfg, run, range(1, 5))
     group = make_group(storage_cfg, run)
@@ -96,11 +97,18 @@ def test_kill_restore_replay_is_byte_identical(reference, tiny_model, storage_cf
         for actor in group.actors():
             ray.kill(actor)
         assert not group.alive() and group.iteration() is None
-        with pytest.warns(RuntimeWarning, match=r"checkpoint 2 .* corrupt"):
-            result = group.ensure_state(3, tiny_model)
-        assert result == {"restored_from": 1, "replayed": [2, 3], "recreated": True}
-        # Normal path: alive and holding 3 -> nothing happens.
-        assert group.ensure_state(3, tiny_model)["recreated"] is False
+        result = group.ensure_state(3, tiny_model)
+        assert (result["restored_from"], result["replayed"]) == (1, [2, 3])
+        assert result["recreated"] is True
+        # The caller gets the fallback (a warning in a Ray worker's log reaches no user).
+        [warning] = result["warnings"]
+        assert re.search(
+            r"checkpoint 2 of run 'rec1' is corrupt .*restored from checkpoint 1", warning
+        )
+        assert "replayed iterations 2..3" in warning
+        # Normal path: alive and holding 3 -> nothing happens, nothing to warn about.
+        again = group.ensure_state(3, tiny_model)
+        assert again["recreated"] is False and again["warnings"] == []
         group.export_hf(3, 3, 2)
         assert weight_shas(storage_cfg, run, 3) == reference["v3"]
     finally:
@@ -126,6 +134,7 @@ def test_two_workers_fsdp_deterministic_and_recoverable(reference, tiny_model, s
             "restored_from": 1,
             "replayed": [2],
             "recreated": True,
+            "warnings": [],
         }
         # v2 is committed; publish the replayed state as a separate version to compare.
         group.export_hf(102, 2, 1)

@@ -8,7 +8,7 @@ import random
 from rollout.types import RolloutBatch, Sample
 from storage.config import StorageConfig
 from storage.run_store import RunStore
-from training.config import ModelConfig, TrainConfig, WeightsConfig
+from training.config import ModelConfig, RunIdentity, TrainConfig, TrainerSections, WeightsConfig
 from training.group import TrainGroup
 
 VOCAB_LO, VOCAB_HI = 4, 30  # the tiny tokenizer's non-special ids
@@ -43,7 +43,9 @@ def make_group(storage_cfg: StorageConfig, run: str, workers: int = 1) -> TrainG
     cfg = TrainConfig(num_workers=workers, micro_batch_size=6, lr=1e-2, loss=loss)
     # A small shard size so export really produces several shards.
     weights = WeightsConfig(shard_size=64 * 1024)
-    return TrainGroup(run, cfg, ModelConfig(), storage_cfg, seed=7, weights_cfg=weights)
+    sections = TrainerSections(train=cfg, model=ModelConfig(), storage=storage_cfg, weights=weights)
+    identity = RunIdentity(name=run, seed=7, namespace="prefect-rl")
+    return TrainGroup(identity, sections, placement=None)
 
 
 def weight_shas(storage_cfg: StorageConfig, run: str, version: int) -> dict[str, str]:

@@ -1,0 +1,200 @@
+"""Every key of the trainer's config sections reaches the code that reads it.
+
+A key the user sets but the trainer never receives is a silent bug: the run
+goes on with the default. Each leaf key of ``train``, ``model`` and ``weights``
+is classified here: read by the trainer (code under training/ reads it, and a
+non-default value set through ``--set`` arrives in what ``RunContext.trainer()``
+hands its ranks), read by another module (named, and that module must read
+it), or a key with one allowed value. A new key fails ``test_every_key_is_classified`` until it is
+put in one of the three.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import re
+import typing
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from flows.config import ConfigError, RunConfig, load_config
+from storage.run_store import RunStore
+from tasks.context import RunContext
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = ("train", "model", "weights")
+
+# Read by the train group or its actors (somewhere under training/): they
+# arrive as part of the whole sections every rank receives.
+TRAINER_KEYS = {
+    "train.backend",
+    "train.num_workers",
+    "train.num_cpus_per_worker",
+    "train.num_gpus_per_worker",
+    "train.torch_threads",
+    "train.lr",
+    "train.weight_decay",
+    "train.grad_clip",
+    "train.micro_batch_size",
+    "train.loss.kind",
+    "train.loss.advantage",
+    "train.loss.clip_eps",
+    "train.loss.clip_eps_low",
+    "train.loss.clip_eps_high",
+    "train.loss.gspo_clip_eps_low",
+    "train.loss.gspo_clip_eps_high",
+    "train.loss.max_response_tokens",
+    "train.loss.overlong_buffer",
+    "train.loss.overlong_filter",
+    "train.loss.kl_coef",
+    "train.loss.entropy_coef",
+    "train.megatron.tensor_parallel",
+    "train.megatron.pipeline_parallel",
+    "model.dtype",
+    "weights.shard_size",
+}
+# Not read by the trainer: the orchestration layer reads them from ctx.cfg.
+ELSEWHERE = {
+    "train.release_after_publish": "tasks/steps.py",
+    "model.path": "tasks/prepare.py",  # resolved once into RunContext.base_model_path
+    "weights.transport": "tasks/engines.py",  # passed to TrainGroup.push_weights
+    "weights.bucket_bytes": "tasks/engines.py",  # passed to TrainGroup.push_weights
+    "weights.publish_interval": "tasks/steps.py",
+    "weights.flush_cache_interval": "tasks/engines.py",
+}
+# One allowed value: nothing to carry until a second one is added.
+ONE_CHOICE: set[str] = set()
+# Keys whose non-default values are valid only with other settings (the
+# section's validators refuse settings of a loss kind that is not chosen).
+REQUIRES: dict[str, dict[str, Any]] = {
+    "train.loss.clip_eps_low": {"train.loss.kind": "dapo"},
+    "train.loss.clip_eps_high": {"train.loss.kind": "dapo"},
+    "train.loss.gspo_clip_eps_low": {"train.loss.kind": "gspo"},
+    "train.loss.gspo_clip_eps_high": {"train.loss.kind": "gspo"},
+    "train.loss.overlong_buffer": {"train.loss.max_response_tokens": 64},
+}
+
+
+def leaf_fields(model: type[BaseModel], prefix: str) -> Iterator[tuple[str, FieldInfo]]:
+    for name, f in model.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            yield from leaf_fields(f.annotation, f"{prefix}.{name}")
+        else:
+            yield f"{prefix}.{name}", f
+
+
+def schema_keys() -> dict[str, FieldInfo]:
+    return {
+        key: f
+        for section in SECTIONS
+        for key, f in leaf_fields(RunConfig.model_fields[section].annotation, section)
+    }
+
+
+def candidates(f: FieldInfo) -> list[Any]:
+    """Values other than the default, in the order tried."""
+    ann, default = f.annotation, f.default
+    if typing.get_origin(ann) is typing.Literal:
+        values = list(typing.get_args(ann))
+    elif ann is bool:
+        values = [not default]
+    elif ann is int:
+        values = [default + 1, default * 2]
+    elif ann is float:
+        values = [default + 0.5, default * 2, default / 2]
+    elif int in typing.get_args(ann):  # int | None
+        values = [64]
+    elif str in typing.get_args(ann) or ann is str:
+        values = ["/nonexistent/prefect-rl-walk"]
+    else:
+        raise AssertionError(f"no candidate values for a field of type {ann}")
+    return [v for v in values if v != default]
+
+
+def non_default_config(key: str, f: FieldInfo) -> tuple[RunConfig, Any]:
+    """A valid RunConfig, loaded the way ``--set key=value`` is, with ``key`` changed."""
+    for value in candidates(f):
+        try:
+            return load_config(None, {**REQUIRES.get(key, {}), key: value}), value
+        except ConfigError:
+            continue  # e.g. object-store needs an s3:// root; try the next value
+    raise AssertionError(f"no valid non-default value for {key} among {candidates(f)}")
+
+
+def test_every_key_is_classified():
+    keys = set(schema_keys())
+    classified = [*TRAINER_KEYS, *ELSEWHERE, *ONE_CHOICE]
+    assert len(classified) == len(set(classified)), "a key is classified twice"
+    assert keys - set(classified) == set(), "new keys: add them to TRAINER_KEYS or ELSEWHERE"
+    assert set(classified) - keys == set(), "stale keys: remove them here"
+    for key in ONE_CHOICE:
+        assert candidates(schema_keys()[key]) == [], f"{key} has a second value now: classify it"
+
+
+def _reads(path: Path, leaf: str) -> bool:
+    return re.search(rf"\.{leaf}\b", path.read_text()) is not None
+
+
+@pytest.mark.parametrize("key", sorted(TRAINER_KEYS))
+def test_training_code_reads_the_key(key):
+    """Arriving is not enough: some code under training/ (not the schema) reads it."""
+    leaf = key.rsplit(".", 1)[1]
+    files = [p for p in (ROOT / "training").rglob("*.py") if p.name != "config.py"]
+    assert any(_reads(p, leaf) for p in files), f"nothing under training/ reads {key}"
+
+
+@pytest.mark.parametrize("key", sorted(ELSEWHERE))
+def test_named_module_reads_the_key(key):
+    module = ELSEWHERE[key]
+    assert _reads(ROOT / module, key.rsplit(".", 1)[1]), f"{module} does not read {key}"
+
+
+@pytest.mark.parametrize("key", sorted(TRAINER_KEYS))
+def test_trainer_key_reaches_the_ranks(key):
+    """Set through the real config path, the value is in the sections the group
+    hands every rank, also after the pickling that Ray and Prefect do."""
+    cfg, value = non_default_config(key, schema_keys()[key])
+    trainer = pickle.loads(pickle.dumps(RunContext(cfg, base_model_path="unused").trainer()))
+    got = functools.reduce(getattr, key.split("."), trainer.sections)
+    assert got == value != schema_keys()[key].default
+
+
+def test_run_identity_reaches_the_trainer():
+    cfg = load_config(None, {"run.name": "ident", "run.seed": 11, "ray.namespace": "ns-x"})
+    trainer = RunContext(cfg, base_model_path="unused").trainer()
+    assert (trainer.identity.name, trainer.identity.seed, trainer.identity.namespace) == (
+        "ident",
+        11,
+        "ns-x",
+    )
+    assert trainer.sections.storage == cfg.storage
+
+
+def test_shard_size_changes_the_shards_a_real_export_writes(ray_cluster, tiny_model_dir, tmp_path):
+    """A real CPU train actor built as a run builds it: the default shard size
+    writes one shard of the tiny model, a small one splits it."""
+
+    def export(shard_size: int | None) -> list[str]:
+        sets = {"storage.root": str(tmp_path), "run.name": f"shards-{uuid.uuid4().hex[:6]}"}
+        if shard_size is not None:
+            sets["weights.shard_size"] = shard_size
+        cfg = load_config(None, sets)
+        trainer = RunContext(cfg, base_model_path=tiny_model_dir).trainer()
+        try:
+            trainer.create(tiny_model_dir)
+            trainer.export_hf(1, 0, None)
+        finally:
+            trainer.shutdown()
+        manifest = RunStore(cfg.storage, cfg.run.name).read_manifest(1)
+        return [f.name for f in manifest.files if f.name.endswith(".safetensors")]
+
+    assert export(None) == ["model.safetensors"]
+    small = export(64 * 1024)
+    assert len(small) > 1 and all(n.startswith("model-") for n in small)

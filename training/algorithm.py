@@ -1,0 +1,100 @@
+"""The one place a ``LossConfig`` picks the RL algorithm's pure functions.
+
+Owns the mapping from config to policy loss (``training.losses``), advantage
+estimator (``training.advantages``) and DAPO's length shaping
+(``training.shaping``); the trainer and the batch builder call only these three
+functions. Holds no maths of its own and never touches models, storage or Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from training import advantages as adv
+from training import losses
+from training.config import LossConfig
+from training.shaping import overlong_keep, overlong_penalty
+
+_ESTIMATORS = {
+    "grpo": adv.grpo_advantages,
+    "dr_grpo": adv.dr_grpo_advantages,
+    "rloo": adv.rloo_advantages,
+    "reinforce_pp": adv.reinforce_pp_advantages,
+    "reinforce_pp_baseline": adv.reinforce_pp_baseline_advantages,
+}
+
+
+def policy_loss(
+    cfg: LossConfig,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The ``cfg.kind`` loss of one micro-batch ([B, T] tokens, [B] advantages).
+
+    ``num_tokens`` / ``num_sequences``: the whole batch's response tokens and
+    sequences divided by the data-parallel size, so that micro-batch losses sum
+    to the batch loss; token-level kinds use the first, per-sequence kinds the
+    second. None means this call's own counts.
+    """
+    reg = {
+        "ref_logprobs": ref_logprobs,
+        "kl_coef": cfg.kl_coef,
+        "entropy": entropy,
+        "entropy_coef": cfg.entropy_coef,
+    }
+    args = (logprobs, old_logprobs, advantages, mask)
+    if cfg.kind == "grpo":
+        return losses.grpo_loss(*args, cfg.clip_eps, num_tokens=num_tokens, **reg)
+    if cfg.kind == "dapo":
+        return losses.dapo_loss(
+            *args, cfg.clip_eps_low, cfg.clip_eps_high, num_tokens=num_tokens, **reg
+        )
+    if cfg.kind == "dr_grpo":
+        assert cfg.max_response_tokens is not None  # LossConfig refuses dr_grpo without it
+        return losses.dr_grpo_loss(
+            *args, cfg.clip_eps, cfg.max_response_tokens, num_sequences=num_sequences, **reg
+        )
+    if cfg.kind == "gspo":
+        return losses.gspo_loss(
+            *args,
+            cfg.gspo_clip_eps_low,
+            cfg.gspo_clip_eps_high,
+            num_sequences=num_sequences,
+            **reg,
+        )
+    raise AssertionError(f"unhandled loss kind {cfg.kind!r}")  # Literal keeps this unreachable
+
+
+def sample_advantages(
+    cfg: LossConfig, rewards: torch.Tensor, n: int, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Advantages [B*n] of ``rewards`` by ``cfg.advantage``, groups of ``n`` contiguous
+    samples. With ``cfg.overlong_buffer`` the DAPO overlong penalty of ``lengths``
+    (response tokens per sample) is added to the rewards first."""
+    if cfg.overlong_buffer is not None:
+        if lengths is None:
+            raise ValueError("train.loss.overlong_buffer needs the response lengths")
+        assert cfg.max_response_tokens is not None  # LossConfig requires it with the buffer
+        rewards = rewards.float() + overlong_penalty(
+            lengths, cfg.max_response_tokens, cfg.overlong_buffer
+        )
+    return _ESTIMATORS[cfg.advantage](rewards, n)
+
+
+def filter_loss_mask(
+    cfg: LossConfig, loss_mask: torch.Tensor, finish_reasons: Sequence[str]
+) -> torch.Tensor:
+    """``loss_mask`` [B, T] with truncated samples zeroed when ``cfg.overlong_filter``;
+    the same tensor otherwise."""
+    if not cfg.overlong_filter:
+        return loss_mask
+    return loss_mask * overlong_keep(finish_reasons).to(loss_mask.dtype).unsqueeze(1)
