@@ -88,7 +88,7 @@ def bench_size(
         weights=WeightsConfig(),
     )
     trainer = TrainGroup(
-        RunIdentity(name=run, seed=0, namespace="prefect-rl"), sections, placement=None
+        RunIdentity(name=run, seed=0, namespace="prefect-rl"), sections, placement=None, fence=None
     )
     engines = EngineGroup(run, EngineConfig(num_gpus_per_engine=gpus, health_timeout_s=300))
     rows = []

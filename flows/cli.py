@@ -9,10 +9,21 @@ import sys
 
 def _run(args: argparse.Namespace) -> int:
     from flows.config import ConfigError, load_config
+    from storage.errors import StorageError
 
     try:
         cfg = load_config(args.config, args.set)
-    except (ConfigError, ValueError) as e:
+        if cfg.ray.address is None:
+            # Only the run's own local cluster, which binds loopback alone
+            # (tasks.prepare.start_local_ray), goes without auth. A cluster at
+            # ray.address keeps the user's RAY_AUTH_MODE (token: see README).
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        from tasks.prepare import check_run
+
+        # Before rl_training: a refused config creates no flow run, so nothing
+        # of it (a secret in a URL, say) reaches the Prefect database.
+        check_run(cfg)
+    except (ConfigError, StorageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.plain:
@@ -85,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--gpu", action="store_true", help="run on CUDA if available")
     serve.set_defaults(fn=_serve_engine)
     args = parser.parse_args(argv)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     return args.fn(args)
 
 

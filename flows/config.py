@@ -6,6 +6,7 @@ the key named; validation never rewrites what the user wrote.
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from engines.config import EngineConfig, PlacementConfig
 from rollout.config import RolloutConfig
+from rollout.rewards import BUILTIN_REWARDS
 from storage.config import StorageConfig
 from training.config import ModelConfig, TrainConfig, WeightsConfig
 
@@ -91,6 +93,7 @@ class RunConfig(BaseModel):
                 "rollout.n_samples_per_prompt must be at least 2: GRPO normalises rewards "
                 "within a group of samples of one prompt"
             )
+        _check_no_credentials(self.storage.root)
         remote = "://" in self.storage.root and not self.storage.root.startswith("file://")
         if self.weights.transport in ("disk", "tensor", "distributed") and remote:
             raise ValueError(
@@ -112,6 +115,17 @@ class RunConfig(BaseModel):
         if self.placement.colocate:
             _check_colocation(self)
         return self
+
+
+def _check_no_credentials(root: str) -> None:
+    """Refuse ``s3://key:secret@bucket`` at load, before the root reaches a flow
+    run's parameters, run.json or a log. The message never repeats the URL."""
+    proto, sep, rest = root.partition("://")
+    if sep and "@" in rest.split("/", 1)[0]:
+        raise ValueError(
+            f"storage.root ({proto}://...) contains credentials; remove them from the URL and set "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment instead"
+        )
 
 
 def _check_colocation(cfg: RunConfig) -> None:
@@ -182,6 +196,33 @@ def _format_errors(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def _rollout_value(data: dict[str, Any], key: str) -> Any:
+    section = data.get("rollout")
+    default = RolloutConfig.model_fields[key].get_default(call_default_factory=True)
+    return section.get(key, default) if isinstance(section, dict) else default
+
+
+def _check_code_unchanged(from_file: dict[str, Any], data: dict[str, Any]) -> None:
+    """Overrides (``--set``, a deployment's ``overrides``) may not choose code to
+    run: whoever can start a deployment can set them, while the config file is
+    the operator's. So they cannot widen the trusted modules, nor name a reward
+    outside the builtins that the file does not already name."""
+    if _rollout_value(data, "trusted_reward_modules") != _rollout_value(from_file, "trusted_reward_modules"):
+        raise ConfigError(
+            "overrides cannot change rollout.trusted_reward_modules: which code a run may import is "
+            "chosen in the config file; put it in the config file"
+        )
+    reward = _rollout_value(data, "reward")
+    # A name without ':' is no code; the rollout section explains a typo there.
+    named_code = isinstance(reward, str) and ":" in reward
+    if named_code and reward != _rollout_value(from_file, "reward"):
+        raise ConfigError(
+            f"overrides cannot set rollout.reward to {reward!r}: only a builtin "
+            f"({', '.join(BUILTIN_REWARDS)}) or the reward the config file names; "
+            "put it in the config file (with its module under rollout.trusted_reward_modules)"
+        )
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None
 ) -> RunConfig:
@@ -199,9 +240,12 @@ def load_config(
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections at the top")
         source = str(p)
-    items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
+    items = list(overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or []))
+    from_file = copy.deepcopy(data)
     for key, value in items:
         _set_dotted(data, key, value)
+    if items:
+        _check_code_unchanged(from_file, data)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:

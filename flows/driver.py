@@ -41,8 +41,9 @@ def run_plain(
     ctx = prepare_run(cfg)
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    with LeaseKeeper(ctx):
+    with LeaseKeeper(ctx) as keeper:
         for k in range(steps.first_unfinished(ctx), cfg.run.iterations + 1):
+            keeper.check()
             rows.append(run_iteration(ctx, k))
             if not quiet:
                 print(iteration_line(rows[-1], cfg.run.iterations), flush=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, unmapped
-from prefect_ray import RayTaskRunner
 from pydantic import BaseModel, ConfigDict, Field
 
 from flows.config import RunConfig
@@ -21,7 +20,7 @@ from storage.run_store import RunStore
 from tasks import maintenance
 from tasks.context import RunContext
 from tasks.lease import LeaseKeeper
-from tasks.prepare import base_model_path, connect_ray
+from tasks.prepare import check_run, connect_ray, take_lease
 
 
 class RunRef(BaseModel):
@@ -58,9 +57,9 @@ def open_run(ref: RunRef, writer: bool) -> RunContext:
     if ref.s3_endpoint_url:
         data["storage"].setdefault("s3", {})["endpoint_url"] = ref.s3_endpoint_url
     cfg = RunConfig.model_validate(data)
-    ctx = RunContext(cfg=cfg, base_model_path=base_model_path(cfg))
+    ctx = RunContext(cfg=cfg, base_model_path=check_run(cfg))
     if writer:
-        ctx.store.acquire_lease(ctx.owner, cfg.storage.lease_ttl_s)
+        ctx = take_lease(ctx)
     connect_ray(cfg)
     return ctx
 
@@ -80,8 +79,10 @@ def _point_and_check(ctx: RunContext, version: int) -> list[dict[str, Any]]:
     return [c.result() for c in checks]
 
 
-def _runner() -> RayTaskRunner:
-    return RayTaskRunner()
+# No RayTaskRunner here: entered before the flow body, it would start (or join)
+# a Ray cluster of its own choosing, listening on all interfaces, before
+# open_run connects to the run's cluster (its ray.address, or a loopback-only
+# local one). These tasks only call engines; threads of this process suffice.
 
 
 @flow(name="publish-weights", flow_run_name="{params.run_name}:publish-checkpoint[k={params.checkpoint}]")
@@ -96,7 +97,7 @@ def publish_weights_flow(params: PublishParams) -> dict[str, Any]:
         return maintenance.publish_checkpoint(ctx, params.checkpoint)
 
 
-@flow(name="reload-engines", flow_run_name="{params.run_name}:reload[v={params.version}]", task_runner=_runner())
+@flow(name="reload-engines", flow_run_name="{params.run_name}:reload[v={params.version}]")
 def reload_engines_flow(params: ReloadParams) -> list[dict[str, Any]]:
     ctx = open_run(params, writer=True)
     _committed_version(ctx, params.version)
@@ -104,7 +105,7 @@ def reload_engines_flow(params: ReloadParams) -> list[dict[str, Any]]:
         return _point_and_check(ctx, params.version)
 
 
-@flow(name="verify-engines", flow_run_name="{params.run_name}:verify", task_runner=_runner())
+@flow(name="verify-engines", flow_run_name="{params.run_name}:verify")
 def verify_engines_flow(params: RunRef) -> list[dict[str, Any]]:
     ctx = open_run(params, writer=False)
     serving = ctx.store.serving_versions()

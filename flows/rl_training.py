@@ -86,7 +86,7 @@ def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     seconds: list[float] = []
     t0 = time.perf_counter()
-    with LeaseKeeper(ctx):
+    with LeaseKeeper(ctx) as keeper:
         if start > total:
             logger.info("run %r is complete (%d iterations); nothing to do", cfg.run.name, total)
         else:
@@ -95,6 +95,7 @@ def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
         progress = artifacts.start_progress(cfg.run.name, start - 1, total)
         step_seconds: dict[str, float] = {}
         for k in range(start, total + 1):
+            keeper.check()  # another writer took the run over: stop before the next iteration
             t_iter = time.perf_counter()
             out = iteration(ctx, k)
             seconds.append(time.perf_counter() - t_iter)

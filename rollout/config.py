@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollout.rewards import load_reward
+
+_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 class RolloutConfig(BaseModel):
@@ -12,8 +18,24 @@ class RolloutConfig(BaseModel):
     input_key: str = Field("prompt", description="JSONL field with the prompt text")
     label_key: str = Field("label", description="JSONL field with the reference answer")
     reward: str = Field("match", description="Builtin reward name or module:function")
+    trusted_reward_modules: list[str] = Field(
+        default_factory=list,
+        description="Modules (or packages) rollout.reward may import from; only the config file may set it",
+    )
     batch_size: int = Field(16, ge=1, description="Prompts per iteration")
     n_samples_per_prompt: int = Field(8, ge=1, description="Group size for GRPO")
     max_new_tokens: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _check_reward(self) -> RolloutConfig:
+        for name in self.trusted_reward_modules:
+            if not _MODULE_RE.match(name):
+                raise ValueError(
+                    f"rollout.trusted_reward_modules entry {name!r} is not a module name; "
+                    "give dotted module or package names such as mypkg.rewards"
+                )
+        # Resolved at load, so a bad reward is refused before any run state exists.
+        load_reward(self.reward, self.trusted_reward_modules)
+        return self

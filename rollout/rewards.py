@@ -1,14 +1,21 @@
 """Reward functions: ``fn(response: str, label: str) -> float`` in [0, 1].
 
-Builtins are named in ``rollout.reward``; anything else is ``module:function``.
+Builtins are named in ``rollout.reward``. Anything else is ``module:function``
+from a module the config file trusts (``rollout.trusted_reward_modules``): a
+reward runs inside the rollout step, so naming one is running code, and only
+the config file's author may choose which code.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import inspect
+import typing
+from collections.abc import Callable, Sequence
 
 RewardFn = Callable[[str, str], float]
+
+SIGNATURE = "(response: str, label: str) -> float"
 
 
 def match_reward(response: str, label: str) -> float:
@@ -27,7 +34,40 @@ def exact_reward(response: str, label: str) -> float:
 BUILTIN_REWARDS: dict[str, RewardFn] = {"match": match_reward, "exact": exact_reward}
 
 
-def load_reward(spec: str) -> RewardFn:
+def is_trusted(module: str, trusted: Sequence[str]) -> bool:
+    """True if ``module`` is one of ``trusted`` or inside one of those packages."""
+    return any(module == t or module.startswith(t + ".") for t in trusted)
+
+
+def check_signature(fn: object, spec: str) -> None:
+    """Refuse anything but ``fn(response: str, label: str) -> float``.
+
+    Checked before the first rollout, so a function that merely happens to be
+    importable (``shutil:rmtree``) never gets called with generated text."""
+    fix = f"rollout.reward {spec!r} must be a function {SIGNATURE}"
+    if not inspect.isfunction(fn):
+        raise ValueError(f"{fix}; it is a {type(fn).__name__}")
+    try:
+        hints = typing.get_type_hints(fn)
+        params = list(inspect.signature(fn).parameters.values())
+    except (NameError, TypeError, ValueError) as e:
+        raise ValueError(f"{fix}; its annotations cannot be read ({e})") from None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required_rest = [
+        p
+        for p in params[2:]
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if len(positional) < 2 or params[:2] != positional[:2] or required_rest:
+        raise ValueError(f"{fix}; it takes {inspect.signature(fn)}")
+    got = [hints.get(p.name) for p in positional[:2]] + [hints.get("return")]
+    if got != [str, str, float]:
+        raise ValueError(f"{fix}; it is annotated {inspect.signature(fn)}")
+
+
+def load_reward(spec: str, trusted: Sequence[str] = ()) -> RewardFn:
+    """The reward function ``spec`` names: a builtin, or ``module:function``
+    from a module under ``trusted``, checked for the reward signature."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if ":" not in spec:
@@ -36,10 +76,15 @@ def load_reward(spec: str) -> RewardFn:
             "give one of those or module:function"
         )
     mod_name, fn_name = spec.split(":", 1)
+    # Checked before the import: importing a module already runs its code.
+    if not is_trusted(mod_name, trusted):
+        raise ValueError(
+            f"rollout.reward {spec!r}: module {mod_name!r} is not trusted; list it (or its package) "
+            "under rollout.trusted_reward_modules in the config file"
+        )
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"rollout.reward {spec!r} cannot be imported: {e}") from e
-    if not callable(fn):
-        raise ValueError(f"rollout.reward {spec!r} is not callable")
+    check_signature(fn, spec)
     return fn

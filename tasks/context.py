@@ -20,8 +20,16 @@ from storage.run_store import RunStore
 class RunContext:
     cfg: RunConfig  # the validated run config
     base_model_path: str  # local HF dir of v0 (tiny model or model.path)
-    owner: str = field(default_factory=lambda: f"{os.uname().nodename}:{os.getpid()}")  # lease owner
-    driver_pid: int = field(default_factory=os.getpid)  # the flow process (fault injection: sigkill)
+    owner: str = field(
+        default_factory=lambda: f"{os.uname().nodename}:{os.getpid()}"
+    )  # lease owner
+    driver_pid: int = field(
+        default_factory=os.getpid
+    )  # the flow process (fault injection: sigkill)
+    # The lease's fence (set by prepare_run / open_run once the lease is taken):
+    # every commit through ``store`` checks it, so a writer whose lease another
+    # took over fails its next commit (LeaseLostError) wherever the step runs.
+    fence: int | None = None
 
     @property
     def run_name(self) -> str:
@@ -29,7 +37,7 @@ class RunContext:
 
     @cached_property
     def store(self) -> RunStore:
-        return RunStore(self.cfg.storage, self.cfg.run.name)
+        return RunStore(self.cfg.storage, self.cfg.run.name, fence=self.fence)
 
     def placement(self):  # -> engines.placement.SharedPlacement | None
         """The shared placement group of a colocated run; None when disaggregated."""
@@ -58,16 +66,13 @@ class RunContext:
         )
 
     def trainer(self):  # -> training.group.TrainGroup
+        from training.config import RunIdentity, TrainerSections
         from training.group import TrainGroup
 
+        c = self.cfg
+        run = RunIdentity(name=c.run.name, seed=c.run.seed, namespace=c.ray.namespace)
         return TrainGroup(
-            self.run_name,
-            self.cfg.train,
-            self.cfg.model,
-            self.cfg.storage,
-            self.cfg.run.seed,
-            namespace=self.cfg.ray.namespace,
-            placement=self.placement(),
+            run, TrainerSections.of(self.cfg), placement=self.placement(), fence=self.fence
         )
 
     def __getstate__(self) -> dict:

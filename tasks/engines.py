@@ -15,14 +15,76 @@ log = logging.getLogger("prefect_rl.engines")
 
 
 def expected_version(ctx, k: int) -> int:
-    """The version rollout k must be generated with: the newest committed one <= k-1."""
-    versions = [v for v in ctx.store.committed_versions() if v <= k - 1]
-    if not versions:
+    """The version rollout k must be generated with: the newest one <= k-1 that
+    the ledger records as published (v0, the base model, is published by
+    prepare_run). Taken from the ledger, not from the listing of committed
+    versions: a published version whose manifest is missing or damaged is
+    republished (or refused), never silently replaced by an older one."""
+    v = newest_published(ctx, k - 1)
+    ensure_published(ctx, v)
+    return v
+
+
+def newest_published(ctx, k: int) -> int:
+    """The newest version <= k whose publish step the ledger records as published; 0 if none."""
+    for j in range(k, 0, -1):
+        record = ctx.store.read_record(j, "publish")
+        if record is not None and record["result"].get("published"):
+            return j
+    return 0
+
+
+def ensure_published(ctx, v: int) -> None:
+    """Make the version the ledger calls published readable again: republish it
+    (v0 from the base model, v >= 1 from trainer state v, rebuilt from a
+    checkpoint and the persisted rollouts), or fail naming the version and the fix."""
+    store = ctx.store
+    state = store.version_state(v)
+    if state == "committed":
+        return
+    why, url = store.version_problem(v), store.version_url(v)
+    if _manifest_reads(store, v):
+        # Files missing under a manifest that parses: a writer keeps that
+        # manifest (committed versions are immutable), so republishing cannot help.
         raise RuntimeError(
-            f"no committed weights version <= {k - 1} in {ctx.store.url}; "
-            "v0 is published when a run is prepared: run `prefect-rl run` on this run first"
+            f"weights v{v} of run {ctx.run_name!r} is damaged ({why}) although the ledger records "
+            f"it as published; delete its folder {url} and rerun: the step republishes it"
         )
-    return max(versions)
+    log.warning(
+        "weights v%d of run %r is %s (%s) although the ledger records it as published; republishing it",
+        v, ctx.run_name, state, why,
+    )
+    try:
+        if v == 0:
+            from tasks.prepare import publish_base
+
+            publish_base(ctx)
+        else:
+            colocate.for_training(ctx)  # the trainer needs the devices to rebuild state v
+            trainer = ctx.trainer()
+            trainer.ensure_state(v, ctx.base_model_path)
+            trainer.export_hf(v, v, newest_published(ctx, v - 1))
+    except Exception as e:
+        raise RuntimeError(
+            f"weights v{v} of run {ctx.run_name!r} ({url}) is {state} although the ledger records "
+            f"it as published, and republishing it from trainer state {v} failed ({e}); restore "
+            "the version folder from a backup, or rerun once the cause above is fixed"
+        ) from e
+    if store.version_state(v) != "committed":
+        raise RuntimeError(
+            f"weights v{v} of run {ctx.run_name!r} is still not committed after republishing it "
+            f"({store.version_problem(v)}); check storage at {url}"
+        )
+
+
+def _manifest_reads(store, v: int) -> bool:
+    from storage.errors import StorageError
+
+    try:
+        store.read_manifest(v)
+    except StorageError:
+        return False
+    return True
 
 
 IN_MEMORY = ("tensor", "distributed")
@@ -35,7 +97,7 @@ def in_memory(ctx) -> bool:
 
 def target_version(ctx, k: int) -> int:
     """The version engines serve after iteration k: k itself with an in-memory
-    transport (trainer state k is pushed), else the newest committed one <= k."""
+    transport (trainer state k is pushed), else the newest published one <= k."""
     return k if in_memory(ctx) else expected_version(ctx, k + 1)
 
 

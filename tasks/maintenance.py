@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RunContext
@@ -37,12 +37,16 @@ def check_engine(ctx: RunContext, version: int, engine_id: int, upstream: Any = 
       cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 5, 15])
 def publish_checkpoint(ctx: RunContext, k: int) -> dict[str, Any]:
     store = ctx.store
+    warnings: list[str] = []
     if k not in store.committed_versions():
         trainer = ctx.trainer()
-        trainer.ensure_state(k, ctx.base_model_path)
+        warnings = list((trainer.ensure_state(k, ctx.base_model_path) or {}).get("warnings") or [])
         trainer.export_hf(k, k, store.latest_version())
+    for warning in warnings:  # a corrupt checkpoint skipped: shown in the task run's log
+        get_run_logger().warning("publish_checkpoint: %s", warning)
     manifest = store.read_manifest(k)
-    return {"version": k, "url": store.version_url(k), "files": len(manifest.files)}
+    out = {"version": k, "url": store.version_url(k), "files": len(manifest.files)}
+    return {**out, "warnings": warnings} if warnings else out
 
 
 @task(name="collect_garbage", task_run_name="{ctx.run_name}:gc[keep={keep_last}]", cache_policy=NO_CACHE)

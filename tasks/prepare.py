@@ -6,6 +6,7 @@ idempotent: on a resumed run it checks what exists instead of rewriting it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -74,19 +75,13 @@ def _get(d: dict, dotted: str):
     return d if d != {} else None
 
 
-def check_or_write_run_json(ctx: RunContext) -> None:
+def check_frozen(ctx: RunContext) -> dict | None:
+    """Refuse a continued run whose frozen settings changed; the existing run.json."""
     store, cfg = ctx.store, ctx.cfg
     snapshot = cfg.model_dump(mode="json")
     existing = store.read_run_json()
     if existing is None:
-        store.write_run_json(
-            {
-                "config": snapshot,
-                "code_version": code_version(),
-                "created_at": datetime.now(timezone.utc).isoformat(),
-            }
-        )
-        return
+        return None
     old = existing.get("config", {})
     changed = [k for k in FROZEN_KEYS if _get(old, k) != _get(snapshot, k)]
     if changed:
@@ -94,6 +89,18 @@ def check_or_write_run_json(ctx: RunContext) -> None:
             f"run {cfg.run.name!r} in {store.url} was started with other settings for "
             + ", ".join(f"{k} (was {_get(old, k)!r}, now {_get(snapshot, k)!r})" for k in changed)
             + "; keep them, or start a new run with another run.name"
+        )
+    return existing
+
+
+def check_or_write_run_json(ctx: RunContext) -> None:
+    if check_frozen(ctx) is None:
+        ctx.store.write_run_json(
+            {
+                "config": ctx.cfg.model_dump(mode="json"),
+                "code_version": code_version(),
+                "created_at": datetime.now(timezone.utc).isoformat(),
+            }
         )
 
 
@@ -123,13 +130,63 @@ def connect_ray(cfg: RunConfig) -> None:
         cfg.engines.num_engines * cfg.engines.tp_size * cfg.engines.num_cpus_per_engine
         + cfg.train.num_workers * cfg.train.num_cpus_per_worker
     )
-    # address="local": never join a cluster someone else started on this machine.
-    ray.init(address="local", num_cpus=cfg.ray.num_cpus or int(need) + 4, **kwargs)
+    start_local_ray(cfg.ray.num_cpus or int(need) + 4, cfg.ray.namespace)
+
+
+def start_local_ray(num_cpus: int, namespace: str) -> None:
+    """Start this process's own Ray cluster, listening on loopback only.
+
+    Its auth is off (the CLI sets RAY_AUTH_MODE=disabled for it), so nothing
+    but this machine may reach it. Ray 2.60 turns ``_node_ip_address="127.0.0.1"``
+    into the host's routable IP and then binds GCS, raylet and workers on all
+    interfaces, unless ``ENABLE_RAY_CLUSTER`` is off (its macOS/Windows mode):
+    with it off the node IP stays 127.0.0.1 and every server binds loopback.
+    Once the node exists Ray reads the IP from it, so the switch is restored.
+    ``tests/integration/test_security.py`` checks the real sockets.
+    """
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        # address="local": never join a cluster someone else started on this machine.
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            namespace=namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def check_run(cfg: RunConfig) -> str:
+    """Everything that can be checked before any state is written: the storage
+    root, the frozen settings of a continued run, the base model. (The config
+    schema and the reward were checked when ``cfg`` was loaded.) Returns the
+    base model path. Raises ConfigError or StorageError naming the fix."""
+    from storage.fs import check_root
+
+    check_root(cfg.storage)  # credentials in the URL, a file, not writable, a missing bucket
+    path = base_model_path(cfg)
+    check_frozen(RunContext(cfg=cfg, base_model_path=path))
+    return path
+
+
+def take_lease(ctx: RunContext, force: bool = False) -> RunContext:
+    """Acquire the run's lease; the context carrying its fence, so every store
+    rebuilt from it (in this process or a Ray worker) commits only while it holds."""
+    lease = ctx.store.acquire_lease(ctx.owner, ctx.cfg.storage.lease_ttl_s, force=force)
+    return dataclasses.replace(ctx, fence=lease.fence)
 
 
 def prepare_run(cfg: RunConfig, force_lease: bool = False) -> RunContext:
-    ctx = RunContext(cfg=cfg, base_model_path=base_model_path(cfg))
-    ctx.store.acquire_lease(ctx.owner, cfg.storage.lease_ttl_s, force=force_lease)
+    # Validate first: a refused run leaves no lease, run.json or version behind
+    # (a run.json written before a refusal would freeze the refused settings).
+    ctx = RunContext(cfg=cfg, base_model_path=check_run(cfg))
+    ctx = take_lease(ctx, force=force_lease)
     check_or_write_run_json(ctx)
     publish_base(ctx)
     connect_ray(cfg)

@@ -23,9 +23,18 @@ from tasks.context import RunContext
 
 
 def _logged(step: str, result: dict[str, Any]) -> dict[str, Any]:
-    """Log the step's summary to the task run's log (shown in the UI)."""
-    shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items() if k != "example"}
-    get_run_logger().info("%s: %s", step, shown)
+    """Log the step's summary to the task run's log (shown in the UI), and each
+    of its ``warnings`` (e.g. a corrupt checkpoint skipped in a Ray worker) as a
+    warning there, where a user looks."""
+    logger = get_run_logger()
+    for warning in result.get("warnings") or []:
+        logger.warning("%s: %s", step, warning)
+    shown = {
+        k: (round(v, 4) if isinstance(v, float) else v)
+        for k, v in result.items()
+        if k not in ("example", "warnings")
+    }
+    logger.info("%s: %s", step, shown)
     return result
 
 

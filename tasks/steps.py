@@ -70,7 +70,7 @@ def rollout(ctx, k: int) -> dict[str, Any]:
 def _generate(ctx, group, k: int, v: int) -> RolloutBatch:
     cfg, seed = ctx.cfg, ctx.cfg.run.seed
     tok = _tokenizer(ctx.base_model_path)
-    reward_fn = load_reward(cfg.rollout.reward)
+    reward_fn = load_reward(cfg.rollout.reward, cfg.rollout.trusted_reward_modules)
     prompts = PromptSource(cfg.rollout, seed).batch(k)
     n = cfg.rollout.n_samples_per_prompt
     prompt_ids = [tok(p.text)["input_ids"] for p in prompts]
@@ -147,18 +147,23 @@ def _rollout_summary(batch: RolloutBatch, reused: bool) -> dict[str, Any]:
 def train(ctx, k: int) -> dict[str, Any]:
     def work() -> dict[str, Any]:
         trainer = ctx.trainer()
-        memory = _for_training(ctx, trainer, k - 1)
+        memory, warned = _for_training(ctx, trainer, k - 1)
         maybe_fail(ctx, "train", k, kill=lambda: kill_train_rank0(trainer))
-        return {**trainer.train(k), **colocate.recorded(memory)}
+        return {**trainer.train(k), **colocate.recorded(memory), **warned}
 
     return run_step(ctx, k, "train", work)
 
 
-def _for_training(ctx, trainer, k: int) -> colocate.Memory | None:
-    """Engines asleep and the trainer awake (colocated), holding trainer state k."""
+def _for_training(ctx, trainer, k: int) -> tuple[colocate.Memory | None, dict[str, list[str]]]:
+    """Engines asleep and the trainer awake (colocated), holding trainer state k.
+
+    Also returns ``{"warnings": [...]}`` when restoring state k warned (a corrupt
+    checkpoint skipped): merged into the step's result, the Prefect task logs
+    them to the task run's log, where users look, not only a Ray worker's."""
     colocate.for_training(ctx)  # engines free the devices before any rank (re)loads
-    trainer.ensure_state(k, ctx.base_model_path)
-    return colocate.for_training(ctx)  # re-created ranks start awake: this reads them back
+    state = trainer.ensure_state(k, ctx.base_model_path) or {}
+    warned = {"warnings": list(state["warnings"])} if state.get("warnings") else {}
+    return colocate.for_training(ctx), warned  # re-created ranks start awake: this reads them back
 
 
 def _is_last(ctx, k: int) -> bool:
@@ -179,11 +184,11 @@ def save_checkpoint(ctx, k: int) -> dict[str, Any]:
         if k in ctx.store.committed_checkpoints():
             return {"saved": True, "existing": True}
         trainer = ctx.trainer()
-        memory = _for_training(ctx, trainer, k)
+        memory, warned = _for_training(ctx, trainer, k)
         maybe_fail(ctx, "save", k, kill=lambda: kill_train_rank0(trainer))
         t0 = time.perf_counter()
         trainer.save(k)
-        return {"saved": True, "save_s": time.perf_counter() - t0, **colocate.recorded(memory)}
+        return {"saved": True, "save_s": time.perf_counter() - t0, **colocate.recorded(memory), **warned}
 
     return run_step(ctx, k, "save", work)
 
@@ -197,10 +202,10 @@ def publish_weights(ctx, k: int) -> dict[str, Any]:
         store = ctx.store
         if not publish_due(ctx, k):
             return {"published": False}
-        memory = None
+        memory, warned = None, {}
         if k not in store.committed_versions():
             trainer = ctx.trainer()
-            memory = _for_training(ctx, trainer, k)
+            memory, warned = _for_training(ctx, trainer, k)
             maybe_fail(ctx, "publish", k, kill=lambda: kill_train_rank0(trainer))
             parent = store.latest_version()
             t0 = time.perf_counter()
@@ -218,6 +223,7 @@ def publish_weights(ctx, k: int) -> dict[str, Any]:
             "bytes": sum(f.bytes for f in manifest.files),
             "publish_s": publish_s,
             **colocate.recorded(memory),
+            **warned,
         }
 
     return run_step(ctx, k, "publish", work)
@@ -225,7 +231,7 @@ def publish_weights(ctx, k: int) -> dict[str, Any]:
 
 def reload_engine(ctx, k: int, engine_id: int) -> dict[str, Any]:
     def work() -> dict[str, Any]:
-        v = target_version(ctx, k)  # disk: the newest committed version <= k
+        v = target_version(ctx, k)  # disk: the newest published version <= k
         group = ctx.engines()
         maybe_fail(ctx, "reload", k, kill=lambda: kill_engine(group, engine_id))
         t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Training: the Ray train group, the train actor, the torch backend and losses.
 
 Contracts:
-- ``TrainGroup(identity, sections, placement=...)`` (driver side) holds a
+- ``TrainGroup(identity, sections, placement=..., fence=...)`` (driver side) holds a
   ``RunIdentity`` and the ``TrainerSections`` it hands every rank whole, and
   pickles into any task. Actors are ``{run}/train/{rank}`` (detached, in
   ``identity.namespace``) on one placement group ``{run}/train-pg``, or

@@ -59,7 +59,7 @@ class TrainActor:
         self.base_model_path: str | None = None
         self.pad_id = 0
         self._iteration: int | None = None
-        self._store: Any = None
+        self._stores: dict[int | None, Any] = {}  # by fence
 
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:
@@ -82,12 +82,13 @@ class TrainActor:
         """The trainer-state iteration held (0 = base weights); None before init."""
         return self._iteration
 
-    def store(self) -> Any:
-        if self._store is None:
+    def store(self, fence: int | None = None) -> Any:
+        # Commits check ``fence`` (the caller's lease); it comes with each call, as actors outlive writers.
+        if fence not in self._stores:
             from storage.run_store import RunStore
 
-            self._store = RunStore(self.storage_cfg, self.run_name)
-        return self._store
+            self._stores[fence] = RunStore(self.storage_cfg, self.run_name, fence=fence)
+        return self._stores[fence]
 
     def init_from_base(self, model_path: str) -> int:
         """Build model (+ frozen reference when kl_coef > 0) and AdamW from ``model_path``."""
@@ -115,20 +116,24 @@ class TrainActor:
         self._iteration = int(meta["iteration"])
         return self._iteration
 
-    def save_checkpoint(self, k: int, meta_extra: dict | None = None) -> dict | None:
-        """Collective. Rank 0 commits ``checkpoints/iter_k`` and returns its meta."""
+    def save_checkpoint(
+        self, k: int, meta_extra: dict | None = None, fence: int | None = None
+    ) -> dict | None:
+        """Collective. Rank 0 commits ``checkpoints/iter_k`` (fenced) and returns its meta."""
         self._require_at(k, "save_checkpoint")
-        store = self.store()
+        store = self.store(fence)
         if k in store.committed_checkpoints():  # committed checkpoints are never rewritten
             return store.read_checkpoint_meta(k) if self.rank == 0 else None
         meta = {"iteration": k, "weights_version": k, "seed": self.seed, **(meta_extra or {})}
         meta["world_size"] = self.world_size
         return checkpoint.save(store, k, self.model, self.optim, self.rank, meta)
 
-    def export_hf(self, version: int, iteration: int, parent: int | None) -> dict | None:
-        """Collective. Rank 0 publishes ``weights/v{version}``; returns a summary."""
+    def export_hf(
+        self, version: int, iteration: int, parent: int | None, fence: int | None = None
+    ) -> dict | None:
+        """Collective. Rank 0 publishes ``weights/v{version}`` (fenced); returns a summary."""
         self._require_model()
-        store = self.store()
+        store = self.store(fence)
         if version in store.committed_versions():  # a committed version is never rewritten
             if self.rank != 0:
                 return None

@@ -57,13 +57,17 @@ class TrainGroup:
         sections: TrainerSections,
         *,
         placement: SharedPlacement | None,
+        fence: int | None,
     ) -> None:
         """``placement`` is required (None when disaggregated) so a colocated caller
-        cannot forget it and have the ranks take devices of their own."""
+        cannot forget it and have the ranks take devices of their own. ``fence`` is
+        the caller's lease fence (None for readers): every checkpoint and weights
+        commit of the ranks checks it, so a writer that lost the lease cannot commit."""
         self.identity, self.sections = identity, sections
         self.run_name, self.seed, self.namespace = identity.name, identity.seed, identity.namespace
         self.train_cfg, self.storage_cfg = sections.train, sections.storage
         self.placement = placement  # colocated: the shared group the ranks sit in
+        self.fence = fence  # passed with each commit: detached ranks may outlive a writer
 
     @property
     def world_size(self) -> int:
@@ -254,10 +258,12 @@ class TrainGroup:
         return ray.get([a.train_step.remote(k) for a in self.actors()])[0]
 
     def save(self, k: int, meta_extra: dict | None = None) -> dict:
-        return ray.get([a.save_checkpoint.remote(k, meta_extra) for a in self.actors()])[0]
+        refs = [a.save_checkpoint.remote(k, meta_extra, self.fence) for a in self.actors()]
+        return ray.get(refs)[0]
 
     def export_hf(self, version: int, iteration: int, parent: int | None) -> dict:
-        return ray.get([a.export_hf.remote(version, iteration, parent) for a in self.actors()])[0]
+        refs = [a.export_hf.remote(version, iteration, parent, self.fence) for a in self.actors()]
+        return ray.get(refs)[0]
 
     def push_weights(
         self,

@@ -28,7 +28,7 @@ def _handoff(tmp_path, tiny_model_dir: str, gpus: float) -> dict:
         train=train_cfg, model=ModelConfig(), storage=storage, weights=WeightsConfig()
     )
     trainer = TrainGroup(
-        RunIdentity(name=run, seed=0, namespace="prefect-rl"), sections, placement=None
+        RunIdentity(name=run, seed=0, namespace="prefect-rl"), sections, placement=None, fence=None
     )
     engines = EngineGroup(run, EngineConfig(num_cpus_per_engine=0.5, num_gpus_per_engine=gpus))
     try:

@@ -35,7 +35,7 @@ def test_one_step_with_loss_kind(ray_cluster, tiny_model, storage_cfg, loss):
         train=train, model=ModelConfig(), storage=storage_cfg, weights=WeightsConfig()
     )
     identity = RunIdentity(name=run, seed=7, namespace="prefect-rl")
-    group = TrainGroup(identity, sections, placement=None)
+    group = TrainGroup(identity, sections, placement=None, fence=None)
     try:
         group.create(tiny_model)
         before = ray.get(group.actors()[0].score.remote(PROBE))

@@ -45,7 +45,7 @@ def make_group(storage_cfg: StorageConfig, run: str, workers: int = 1) -> TrainG
     weights = WeightsConfig(shard_size=64 * 1024)
     sections = TrainerSections(train=cfg, model=ModelConfig(), storage=storage_cfg, weights=weights)
     identity = RunIdentity(name=run, seed=7, namespace="prefect-rl")
-    return TrainGroup(identity, sections, placement=None)
+    return TrainGroup(identity, sections, placement=None, fence=None)
 
 
 def weight_shas(storage_cfg: StorageConfig, run: str, version: int) -> dict[str, str]:

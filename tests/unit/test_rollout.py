@@ -59,11 +59,11 @@ def test_rewards():
     assert match_reward("", "321") == 0.0
     assert exact_reward(" 12 ", "12") == 1.0
     assert load_reward("match") is match_reward
-    assert load_reward("rollout.rewards:exact_reward") is exact_reward
+    assert load_reward("rollout.rewards:exact_reward", trusted=["rollout"]) is exact_reward
     with pytest.raises(ValueError, match="module:function"):
         load_reward("nope")
     with pytest.raises(ValueError, match="cannot be imported"):
-        load_reward("no_such_module:fn")
+        load_reward("no_such_module:fn", trusted=["no_such_module"])
 
 
 def test_sample_seeds_are_stable_and_distinct():

@@ -113,10 +113,12 @@ class MegatronTrainActor(TrainActor):
         self._iteration = int(meta["iteration"])
         return self._iteration
 
-    def save_checkpoint(self, k: int, meta_extra: dict | None = None) -> dict | None:
-        """Collective. Rank 0 commits ``checkpoints/iter_k`` and returns its meta."""
+    def save_checkpoint(
+        self, k: int, meta_extra: dict | None = None, fence: int | None = None
+    ) -> dict | None:
+        """Collective. Rank 0 commits ``checkpoints/iter_k`` (fenced) and returns its meta."""
         self._require_at(k, "save_checkpoint")
-        store = self.store()
+        store = self.store(fence)
         if k in store.committed_checkpoints():  # committed checkpoints are never rewritten
             return store.read_checkpoint_meta(k) if self.rank == 0 else None
         meta = {"iteration": k, "weights_version": k, "seed": self.seed, **(meta_extra or {})}
