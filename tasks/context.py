@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from flows.config import RunConfig
 from storage.run_store import RunStore
+from tasks.config import RunConfig
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 
-from flows.config import FaultSpec
+from tasks.config import FaultSpec
 
 
 class InjectedFault(RuntimeError):

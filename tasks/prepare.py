@@ -17,7 +17,7 @@ from pathlib import Path
 
 import ray
 
-from flows.config import ConfigError, RunConfig
+from tasks.config import ConfigError, RunConfig
 from tasks.context import RunContext
 
 log = logging.getLogger("prefect_rl.prepare")

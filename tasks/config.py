@@ -1,0 +1,165 @@
+"""RunConfig: the whole run's settings, composed from each package's own section.
+
+It lives below ``flows/`` so that the runtime in ``tasks/`` can use it without
+importing upward (``flows.config`` loads YAML and applies ``--set`` on top).
+Unknown keys are rejected with the key named; validation never rewrites what
+the user wrote. Imports no Prefect and no Ray: config parsing stays light.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engines.config import EngineConfig, PlacementConfig
+from rollout.config import RolloutConfig
+from storage.config import StorageConfig
+from training.config import ModelConfig, TrainConfig, WeightsConfig
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class RunSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("tiny-cpu", description="Run name: the folder under storage.root")
+    iterations: int = Field(20, ge=0, description="Total RL iterations of the run")
+    seed: int = Field(0, ge=0)
+    save_interval: int = Field(5, ge=1, description="Checkpoint every N iterations (and at the end)")
+
+    @model_validator(mode="after")
+    def _check_name(self) -> RunSection:
+        if not _NAME_RE.match(self.name):
+            raise ValueError(
+                f"run.name {self.name!r} is not a valid run name: use letters, digits, '.', '_' "
+                "or '-' (at most 64, starting with a letter or digit)"
+            )
+        return self
+
+
+class RaySection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = Field(None, description="Ray cluster address; None starts a local one")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local cluster (logical)")
+    namespace: str = "prefect-rl"
+
+
+class TaskPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    retries: int = Field(2, ge=0)
+    retry_delay_s: list[float] = Field(default_factory=lambda: [1.0, 2.0, 5.0])
+    timeout_s: float = Field(1800.0, gt=0)
+
+
+FaultStep = Literal["rollout", "train", "save", "publish", "reload", "verify"]
+
+
+class FaultSpec(BaseModel):
+    """Fault injection for tests: fail ``step`` at iteration ``iteration``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: FaultStep
+    iteration: int = Field(..., ge=1)
+    kind: Literal["exception", "kill_actor", "sigkill"] = "exception"
+    times: int = Field(1, ge=1, description="How many attempts fail before it heals")
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run: RunSection = RunSection()
+    model: ModelConfig = ModelConfig()
+    storage: StorageConfig = StorageConfig()
+    engines: EngineConfig = EngineConfig()
+    placement: PlacementConfig = PlacementConfig()
+    train: TrainConfig = TrainConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    weights: WeightsConfig = WeightsConfig()
+    ray: RaySection = RaySection()
+    tasks: TaskPolicy = TaskPolicy()
+    faults: list[FaultSpec] = Field(default_factory=list, description="Fault injection (tests only)")
+
+    @model_validator(mode="after")
+    def _sections_agree(self) -> RunConfig:
+        if self.rollout.n_samples_per_prompt < 2:
+            raise ValueError(
+                "rollout.n_samples_per_prompt must be at least 2: GRPO normalises rewards "
+                "within a group of samples of one prompt"
+            )
+        _check_no_credentials(self.storage.root)
+        remote = "://" in self.storage.root and not self.storage.root.startswith("file://")
+        if self.weights.transport in ("disk", "tensor", "distributed") and remote:
+            raise ValueError(
+                f"weights.transport {self.weights.transport!r} needs a local storage.root, "
+                f"got {self.storage.root!r}; "
+                "set weights.transport: object-store to publish to object storage"
+            )
+        if self.weights.transport == "object-store" and not remote:
+            raise ValueError(
+                "weights.transport 'object-store' needs an object-store storage.root such as "
+                "s3://bucket/prefix; use weights.transport: disk for a local path"
+            )
+        n_seq = self.rollout.batch_size * self.rollout.n_samples_per_prompt
+        if n_seq % self.train.num_workers:
+            raise ValueError(
+                f"rollout.batch_size * rollout.n_samples_per_prompt = {n_seq} must be divisible "
+                f"by train.num_workers = {self.train.num_workers}; change one of them"
+            )
+        if self.placement.colocate:
+            _check_colocation(self)
+        return self
+
+
+def _check_no_credentials(root: str) -> None:
+    """Refuse ``s3://key:secret@bucket`` at load, before the root reaches a flow
+    run's parameters, run.json or a log. The message never repeats the URL."""
+    proto, sep, rest = root.partition("://")
+    if sep and "@" in rest.split("/", 1)[0]:
+        raise ValueError(
+            f"storage.root ({proto}://...) contains credentials; remove them from the URL and set "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment instead"
+        )
+
+
+def _check_colocation(cfg: RunConfig) -> None:
+    """Colocated ranks share one device per placement bundle; refuse what cannot."""
+    t_gpus, e_gpus = cfg.train.num_gpus_per_worker, cfg.engines.num_gpus_per_engine
+    if (t_gpus > 0) != (e_gpus > 0):
+        raise ValueError(
+            "placement.colocate shares devices between train ranks and engines: set both "
+            "train.num_gpus_per_worker and engines.num_gpus_per_engine above 0 on GPUs "
+            f"(e.g. 0.5 each), or both to 0 on CPU; got {t_gpus} and {e_gpus}"
+        )
+    if t_gpus + e_gpus > 1 + 1e-9:  # 0.7 + 0.3 is not exactly 1.0 in floats
+        raise ValueError(
+            f"train.num_gpus_per_worker + engines.num_gpus_per_engine = {t_gpus + e_gpus} > 1, "
+            "but with placement.colocate a train rank and an engine rank share one GPU; "
+            "lower them so they sum to at most 1 (e.g. 0.5 each)"
+        )
+    if t_gpus > 0 and cfg.weights.transport == "distributed":
+        raise ValueError(
+            "weights.transport 'distributed' cannot run colocated on GPUs: NCCL refuses two "
+            "ranks on one GPU; use weights.transport: tensor (CUDA IPC) or disk, "
+            "or set placement.colocate: false"
+        )
+    if cfg.engines.kind == "sglang":
+        if cfg.engines.tp_size > 1:
+            raise ValueError(
+                "placement.colocate with engines.kind 'sglang' needs engines.tp_size: 1 (the "
+                "server's TP processes cannot take one shared bundle each); "
+                "set engines.tp_size: 1 or placement.colocate: false"
+            )
+        if "--enable-memory-saver" not in cfg.engines.sglang.extra_args:
+            raise ValueError(
+                "colocated SGLang engines free their memory only with --enable-memory-saver: "
+                "add it to engines.sglang.extra_args"
+            )
+
+
+class ConfigError(ValueError):
+    """A config the user must fix; the message says how."""
