@@ -51,6 +51,19 @@ class EngineConfig(BaseModel):
     )
     pause_mode: Literal["abort", "in_place", "retract"] = "in_place"
     health_timeout_s: float = Field(30.0, gt=0)
+    request_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        description="A generate request still unfinished this long after it was queued "
+        "(paused time included) ends with finish reason abort",
+    )
+    context_length: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt + max_new_tokens a request may ask for; None: the "
+        "model's max_position_embeddings (a larger value is the user's choice, as "
+        "SGLang's --context-length)",
+    )
     batch_wait_s: float = Field(
         0.005, ge=0, description="How long a non-full batch waits for more requests to join"
     )

@@ -5,7 +5,8 @@ per live row per step through a ``DynamicCache``. Finished rows are dropped
 from the batch (and from the cache) so they stop costing compute. Knows
 nothing about queues, pausing or versions: the caller's ``between_steps``
 hook decides whether to keep going, and ``step_lock`` guards every forward so
-weights can be swapped between steps. Forwards and cache edits go through a
+weights can be swapped between steps. A row past its ``deadline`` ends with
+finish reason abort at the next step. Forwards and cache edits go through a
 ``ModelRunner`` (one per decode call), so an engine spanning several ranks
 (``engines.tensor_parallel``) mirrors each of them on its other ranks.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,6 +41,7 @@ class Row:
     finish: FinishReason | None = None
     # Returns the stop string the completion now contains, if any (stop strings).
     stop_check: Callable[[list[int]], str | None] | None = None
+    deadline: float | None = None  # time.monotonic() after which the row is aborted
 
     def push(self, tok: int, logprob: float) -> None:
         if self.finish is not None:  # ended from outside (abort_request) during the step
@@ -86,6 +89,9 @@ def _left_pad(rows: list[Row], pad_id: int, device: torch.device):
     # whatever padding its batch needs.
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return ids.to(device), mask.to(device), pos.to(device)
+
+
+DEADLINE_MSG = "deadline exceeded: unfinished after engines.request_timeout_s"
 
 
 class Retract:
@@ -183,8 +189,11 @@ def _decode_loop(runner, rows, ids, mask, pos, device, between_steps, lock) -> N
         step_tokens, step_lps = sample_rows(
             logits, [rows[r].params for r in live], [rows[r].generator for r in live]
         )
+        now = time.monotonic()
         for r, tok, lp in zip(live, step_tokens, step_lps):
             rows[r].push(tok, lp)
+            if rows[r].finish is None and rows[r].deadline is not None and now > rows[r].deadline:
+                rows[r].finish = {"type": "abort", "message": DEADLINE_MSG}
         keep = [b for b, r in enumerate(live) if rows[r].finish is None]
         if not keep:
             return

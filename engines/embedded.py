@@ -1,17 +1,23 @@
 """The embedded rollout engine: torch + transformers behind SGLang's control API.
 
-Owns one model replica, its request queue and its pause/version state. Method
+Owns one model replica, its control surface (weights, versions, memory, info,
+health, the HTTP front door) and the checks a request must pass before it is
+queued (``RequestLimits``: token ids in the vocabulary, prompt +
+max_new_tokens within the context length, a seed in [0, 2**63-1]); the queue,
+the decode worker, pausing and deadlines are ``engines.batching``. Method
 names and result shapes follow SGLang's HTTP endpoints (``/generate``,
 ``/update_weights_from_disk``, ``/pause_generation`` ...), so callers cannot
 tell it from an SGLang server. It is a plain class; ``engines.group`` wraps it
 as a threaded Ray actor (see ``actor_class``). It never imports prefect and
-never reads storage other than the local HF directory it is pointed at.
+never reads anything but the local HF directory it is pointed at (verified
+against its manifest.json, ``engines.weight_files``).
 
-Threads: ``generate`` calls (up to ``GENERATE_CONCURRENCY`` at once) only
-enqueue requests and wait. One decode worker thread drains the queue into
-batches of up to ``max_batch_size`` rows, so requests from concurrent calls
-share forwards. Control methods run in their own concurrency group, so pause,
-continue and reload are served while every generate thread is busy.
+Threads: ``generate`` calls (up to ``GENERATE_CONCURRENCY`` at once) check
+their rows, enqueue them and wait. One decode worker thread drains the queue
+into batches of up to ``max_batch_size`` rows, so requests from concurrent
+calls share forwards; a failing request fails alone (``engines.batching``).
+Control methods run in their own concurrency group, so pause, continue and
+reload are served while every generate thread is busy.
 
 Versions and pausing:
 - ``meta_info.weight_version`` is the version when the request *started*;
@@ -39,10 +45,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -50,19 +52,22 @@ import torch
 from transformers import AutoTokenizer
 
 from engines import tensor_parallel as tpar
+from engines.batching import Batcher, EngineDeadError
 from engines.config import EngineConfig
-from engines.decode import RETRACT, ModelRunner, Retract, Row, decode
-from engines.engine_ranks import EngineRanks, TPRunner, engine_device, load_model, wait_all
+from engines.decode import Row, decode
+from engines.engine_ranks import EngineRanks, engine_device, load_model, wait_all
 from engines.memory_updates import InMemoryUpdates
 from engines.sampling import make_generator
-from engines.types import GenerateResult, PauseMode, SamplingParams, UpdateWeightsResult
-from engines.weights import WeightLoadError, check_state_dict, load_into, read_state_dict
+from engines.types import GenerateResult, RequestLimits, SamplingParams, UpdateWeightsResult
+from engines.weight_files import read_state_dict
+from engines.weights import WeightLoadError, WeightPathError, check_state_dict, load_into
 
 log = logging.getLogger(__name__)
 
 CONTROL_GROUP = "control"
 GENERATE_CONCURRENCY = 8
 CONTROL_CONCURRENCY = 4
+__all__ = ["EmbeddedEngine", "EngineDeadError", "actor_class"]
 
 
 def actor_class() -> Any:
@@ -80,18 +85,7 @@ def actor_class() -> Any:
 _control = ray.method(concurrency_group=CONTROL_GROUP)
 
 
-@dataclass
-class _Call:
-    """One generate() call: its rows' results and a completion signal."""
-
-    results: list[GenerateResult | None]
-    remaining: int
-    done: threading.Event = field(default_factory=threading.Event)
-    error: str | None = None
-    rids: list[str] | None = None  # request ids, for abort_request(rid)
-
-
-class EmbeddedEngine(InMemoryUpdates):
+class EmbeddedEngine(Batcher, InMemoryUpdates):
     """One rollout engine replica; see the module docstring for semantics."""
 
     def __init__(
@@ -119,26 +113,58 @@ class EmbeddedEngine(InMemoryUpdates):
         self._start_path = model_path  # always an allowed root for HTTP reloads
         self._weight_version = str(int(weight_version))
         self._eos = self._eos_ids()
-        self._cond = threading.Condition()
-        self._step_lock = threading.Lock()  # held by each forward and by weight swaps
-        # (call, index in call, prompt, params, the Row of a retracted request or None)
-        self._queue: deque[tuple[_Call, int, list[int], SamplingParams, Row | None]] = deque()
-        self._retract = False  # paused with mode "retract"
-        self._paused = False
-        self._parked = False  # worker is waiting between two steps (paused in place)
-        self._inflight = 0  # rows the worker is decoding now
-        self._abort_epoch = 0  # bumped to abort everything in flight
-        self._abort_msg = ""
+        self.limits = self._limits()
         self._released = False
-        self._running: list[tuple[_Call, int, Row]] = []  # rows the worker is decoding now
         self._http = None  # engines.http_server.HttpServerThread once start_http ran
-        threading.Thread(target=self._worker, name=f"engine-{engine_id}", daemon=True).start()
+        self._start_batching()
 
     def _eos_ids(self) -> frozenset[int]:
         ids = {self._tokenizer.eos_token_id}
         gen_eos = getattr(self._model.generation_config, "eos_token_id", None)
         ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         return frozenset(i for i in ids if i is not None)
+
+    def _limits(self) -> RequestLimits:
+        # The embedding's rows, not config.vocab_size: the forward indexes those.
+        vocab = self._model.get_input_embeddings().weight.shape[0]
+        ctx = self._cfg.context_length or getattr(self._model.config, "max_position_embeddings", 0)
+        if not ctx:
+            raise ValueError(
+                "the model's config has no max_position_embeddings: set engines.context_length"
+            )
+        return RequestLimits(vocab_size=int(vocab), context_length=int(ctx))
+
+    # ---- rows -------------------------------------------------------------
+
+    def _row(self, prompt: list[int], sp: SamplingParams, deadline: float | None = None) -> Row:
+        stop = self._eos if sp.stop_token_ids is None else frozenset(sp.stop_token_ids)
+        return Row(
+            prompt=prompt,
+            params=sp,
+            stop_ids=stop,
+            generator=make_generator(sp.sampling_seed),
+            version_start=self._weight_version,
+            stop_check=self._stop_check(sp.stop) if sp.stop else None,
+            deadline=deadline,
+        )
+
+    def _stop_check(self, stops: tuple[str, ...]) -> Any:
+        """A Row.stop_check that finds a stop string in the completion's decoded tail.
+
+        Only the last few tokens are decoded each step: an earlier match would
+        have ended the row already.
+        """
+        window = 4 * max(len(s) for s in stops) + 8
+
+        def check(ids: list[int]) -> str | None:
+            tail = self._tokenizer.decode(ids[-window:], skip_special_tokens=True)
+            return next((s for s in stops if s in tail), None)
+
+        return check
+
+    def _pad_id(self) -> int:
+        pad = self._tokenizer.pad_token_id
+        return pad if pad is not None else next(iter(self._eos), 0)
 
     # ---- generation -------------------------------------------------------
 
@@ -157,208 +183,21 @@ class EmbeddedEngine(InMemoryUpdates):
         each sampled token under the temperature-scaled distribution (see
         ``engines.sampling.sample_row``); it is always returned, and
         ``return_logprob`` is accepted for API compatibility. ``rid`` names
-        each request for ``abort_request``.
+        each request for ``abort_request``. A row that breaks the model's
+        limits (``self.limits``) is a ValueError for this call alone;
+        EngineDeadError if the decode loop has died.
         """
         if isinstance(sampling_params, dict):
             sampling_params = [sampling_params] * len(input_ids)
         if len(sampling_params) != len(input_ids):
             raise ValueError("give one sampling_params dict per prompt, or one for all")
         parsed = [SamplingParams.from_dict(sp) for sp in sampling_params]
-        if any(len(p) == 0 for p in input_ids):
-            raise ValueError("empty prompt: every input_ids row needs >= 1 token")
-        if not input_ids:
+        prompts = [self.limits.check(p, sp) for p, sp in zip(input_ids, parsed)]
+        if not prompts:
             return []
-        if rid is not None and len(rid) != len(input_ids):
+        if rid is not None and len(rid) != len(prompts):
             raise ValueError("give one rid per prompt")
-        call = _Call(results=[None] * len(input_ids), remaining=len(input_ids), rids=rid)
-        with self._cond:
-            while self._paused:
-                self._cond.wait()
-            for i, (prompt, sp) in enumerate(zip(input_ids, parsed)):
-                self._queue.append((call, i, list(prompt), sp, None))
-            self._cond.notify_all()
-        call.done.wait()
-        if call.error is not None:
-            raise RuntimeError(f"engine {self.engine_id} failed a batch: {call.error}")
-        return call.results  # type: ignore[return-value]
-
-    def _worker(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue or self._paused:
-                    self._cond.wait()
-                self._gather()
-                batch = [
-                    self._queue.popleft()
-                    for _ in range(min(len(self._queue), self._cfg.max_batch_size))
-                ]
-                self._inflight = len(batch)
-                epoch = self._abort_epoch
-                rows = [row or self._row(prompt, sp) for _, _, prompt, sp, row in batch]
-                self._running = [(call, i, row) for (call, i, *_), row in zip(batch, rows)]
-            error = None
-            try:
-                decode(
-                    self._runner(),
-                    rows,
-                    self._pad_id(),
-                    self._device,
-                    between_steps=lambda e=epoch: self._between_steps(e),
-                    step_lock=self._step_lock,
-                )
-            except Exception as e:  # a failed batch must not kill the worker thread
-                log.exception("engine %s: decode failed", self.engine_id)
-                error = f"{type(e).__name__}: {e}"
-            with self._cond:
-                self._inflight = 0
-                self._running = []
-                retracted = []
-                for item, row in zip(batch, rows):
-                    if error is None and row.finish is None and self._abort_epoch == epoch:
-                        retracted.append((*item[:4], row))
-                    else:
-                        self._deliver(item[0], item[1], row, error)
-                self._queue.extendleft(reversed(retracted))  # first in line, in their order
-                self._cond.notify_all()
-
-    def _gather(self) -> None:
-        """Wait up to batch_wait_s for more requests to join a non-full batch (holds cond).
-
-        A batch runs to completion before the next one starts (no continuous
-        batching), so calls that arrive a moment apart, like the per-group
-        calls of ``EngineGroup.generate_groups``, should start together.
-        """
-        deadline = time.monotonic() + self._cfg.batch_wait_s
-        while len(self._queue) < self._cfg.max_batch_size and not self._paused:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._cond.wait(timeout=left)
-
-    def _runner(self) -> ModelRunner:
-        """One decode call's forwards: on every rank when the engine spans several."""
-        return (
-            ModelRunner(self._model) if self._ranks is None else TPRunner(self._model, self._ranks)
-        )
-
-    def _row(self, prompt: list[int], sp: SamplingParams) -> Row:
-        stop = self._eos if sp.stop_token_ids is None else frozenset(sp.stop_token_ids)
-        return Row(
-            prompt=prompt,
-            params=sp,
-            stop_ids=stop,
-            generator=make_generator(sp.sampling_seed),
-            version_start=self._weight_version,
-            stop_check=self._stop_check(sp.stop) if sp.stop else None,
-        )
-
-    def _stop_check(self, stops: tuple[str, ...]):
-        """A Row.stop_check that finds a stop string in the completion's decoded tail.
-
-        Only the last few tokens are decoded each step: an earlier match would
-        have ended the row already.
-        """
-        window = 4 * max(len(s) for s in stops) + 8
-
-        def check(ids: list[int]) -> str | None:
-            tail = self._tokenizer.decode(ids[-window:], skip_special_tokens=True)
-            return next((s for s in stops if s in tail), None)
-
-        return check
-
-    def _pad_id(self) -> int:
-        pad = self._tokenizer.pad_token_id
-        return pad if pad is not None else next(iter(self._eos), 0)
-
-    def _between_steps(self, epoch: int) -> str | Retract | None:
-        """Decode hook: park while paused in place; retract; report an abort."""
-        with self._cond:
-
-            def holding() -> bool:  # paused in place, and nothing ended the batch
-                return self._paused and not self._retract and self._abort_epoch == epoch
-
-            if holding():
-                self._parked = True
-                self._cond.notify_all()
-                while holding():
-                    self._cond.wait()
-                self._parked = False
-            if self._abort_epoch != epoch:
-                return self._abort_msg
-            return RETRACT if self._paused and self._retract else None
-
-    def _deliver(self, call: _Call, i: int, row: Row, error: str | None) -> None:
-        """Store one finished row (caller holds the condition)."""
-        if error is not None:
-            call.error = error
-        if row.finish is None:
-            row.finish = {"type": "abort", "message": error or "not finished"}
-        text = self._tokenizer.decode(row.output_ids, skip_special_tokens=True)
-        matched = row.finish.get("matched")
-        if isinstance(matched, str) and matched in text:  # SGLang trims a stop string
-            text = text[: text.index(matched)]
-        call.results[i] = row.result(text, self._weight_version, self.engine_id)
-        call.remaining -= 1
-        if call.remaining == 0:
-            call.done.set()
-
-    def _abort_all(self, message: str) -> None:
-        """End in-flight and queued requests with finish reason abort (holds cond)."""
-        self._abort_epoch += 1
-        self._abort_msg = message
-        while self._queue:
-            call, i, prompt, sp, row = self._queue.popleft()
-            row = row or self._row(prompt, sp)
-            row.finish = {"type": "abort", "message": message}
-            self._deliver(call, i, row, None)
-        self._cond.notify_all()
-
-    # ---- pause / continue -------------------------------------------------
-
-    @_control
-    def pause_generation(self, mode: PauseMode = "abort") -> None:
-        """Stop generating; returns once no forward is running."""
-        if mode not in ("abort", "in_place", "retract"):
-            raise ValueError(f"mode={mode!r}: use 'abort', 'in_place' or 'retract'")
-        with self._cond:
-            self._paused = True
-            self._retract = mode == "retract"
-            if mode == "abort":
-                self._abort_all("aborted by pause_generation")
-            self._cond.notify_all()
-            # In place: until the worker parks. Retract or abort: until it has let go
-            # of its batch.
-            while self._inflight and not (self._parked and not self._retract):
-                self._cond.wait()
-
-    def _paused_requests(self) -> int:
-        """Requests held by a pause (not aborted): parked in place, or retracted to
-        the queue. SGLang's ``num_paused_requests`` (caller holds cond)."""
-        if not self._paused:
-            return 0
-        retracted = sum(row is not None for *_, row in self._queue)
-        return (self._inflight if self._parked else 0) + retracted
-
-    @_control
-    def continue_generation(self) -> None:
-        with self._cond:
-            self._paused = False
-            self._retract = False
-            self._cond.notify_all()
-
-    @_control
-    def flush_cache(self) -> bool:
-        """Drop cached state; refused (False) while any request is queued or running.
-
-        The engine keeps no prefix cache across requests, so an idle flush only
-        returns freed device memory to the allocator.
-        """
-        with self._cond:
-            if self._inflight or self._queue:
-                return False
-        if self._device.type == "cuda":
-            torch.cuda.empty_cache()
-        return True
+        return self._submit(prompts, parsed, rid)
 
     # ---- weights and info -------------------------------------------------
 
@@ -369,27 +208,38 @@ class EmbeddedEngine(InMemoryUpdates):
         weight_version: str | None = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
+        allowed_roots: tuple[str, ...] | None = None,
     ) -> UpdateWeightsResult:
         """Load an HF safetensors dir into the running model, all or nothing.
 
-        The new tensors are read and checked before any parameter changes; on
-        failure the old weights and version keep serving. The swap happens
-        between two decode steps (it takes the step lock).
+        The new tensors are read, verified against the directory's manifest.json
+        when it has one (sizes and sha256) and checked before any parameter
+        changes; on failure the old weights and version keep serving. The swap
+        happens between two decode steps (it takes the step lock).
+        ``allowed_roots`` (the HTTP server passes its own) confines every file
+        opened; a file outside them raises WeightPathError instead of a result.
         """
         if abort_all_requests:
             with self._cond:
                 self._abort_all("aborted by update_weights_from_disk")
+        roots = None if allowed_roots is None else tuple(allowed_roots)
         # Every rank reads and checks its slice before any rank swaps (all or nothing).
-        staged = [] if self._ranks is None else self._ranks.submit("stage_from_disk", model_path)
+        staged = (
+            [] if self._ranks is None else self._ranks.submit("stage_from_disk", model_path, roots)
+        )
         try:
-            state = tpar.shard_state(read_state_dict(model_path), 0, self._cfg.tp_size)
+            state = tpar.shard_state(read_state_dict(model_path, roots), 0, self._cfg.tp_size)
             check_state_dict(self._model, state)
             errors = [e for e in wait_all(staged) if e is not None]
             if errors:
                 raise WeightLoadError("; ".join(errors))
         except (WeightLoadError, OSError) as e:
             if self._ranks is not None:
+                wait_all(staged)  # let every rank finish reading before it drops
                 ray.get(self._ranks.submit("drop_staged"))
+            if isinstance(e, WeightPathError):
+                raise
+            log.warning("engine %s: refused to load %s: %s", self.engine_id, model_path, e)
             with self._cond:
                 paused = self._paused_requests()
             return {"success": False, "message": str(e), "num_paused_requests": paused}
@@ -437,18 +287,18 @@ class EmbeddedEngine(InMemoryUpdates):
         return [os.getpid(), *([] if self._ranks is None else self._ranks.pids())]
 
     @_control
-    def get_load(self) -> dict[str, int]:
-        """Requests decoding now and waiting in the queue (SGLang's ``/get_load`` counts)."""
-        with self._cond:
-            return {"num_running_reqs": self._inflight, "num_waiting_reqs": len(self._queue)}
-
-    @_control
     def health_generate(self) -> bool:
-        """A 1-token greedy generation outside the queue, so it answers while paused."""
+        """False once the decode loop has died; else a 1-token greedy generation
+        outside the queue, so it answers while paused."""
+        if not self.decode_alive():
+            return False
         bos = self._tokenizer.bos_token_id
-        row = self._row(
+        row = Row(
             [bos if bos is not None else self._pad_id()],
             SamplingParams(temperature=0.0, max_new_tokens=1, stop_token_ids=()),
+            frozenset(),
+            torch.Generator(device="cpu"),
+            self._weight_version,
         )
         try:
             decode(self._runner(), [row], self._pad_id(), self._device, step_lock=self._step_lock)
@@ -456,6 +306,11 @@ class EmbeddedEngine(InMemoryUpdates):
             log.exception("engine %s: health_generate failed", self.engine_id)
             return False
         return len(row.output_ids) == 1
+
+    @_control
+    def is_alive(self) -> bool:
+        """The decode loop runs (cheap; ``health_generate`` also runs a forward)."""
+        return self.decode_alive()
 
     # ---- memory -----------------------------------------------------------
 
@@ -491,38 +346,7 @@ class EmbeddedEngine(InMemoryUpdates):
             self._released = False
         return {"success": True, "message": f"resumed (device={self._device})", **report}
 
-    # ---- requests, tokens and the HTTP front door ---------------------------
-
-    @_control
-    def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
-        """SGLang ``/abort_request``: end one request (by rid) or all with finish reason abort.
-
-        Queued requests end at once; running ones at their next decode step.
-        Returns how many requests were aborted.
-        """
-        msg = "aborted by abort_request"
-        with self._cond:
-            if abort_all:
-                n = len(self._queue) + self._inflight
-                self._abort_all(msg)
-                return n
-            n, kept = 0, deque()
-            for item in self._queue:
-                call, i, prompt, sp, row = item
-                if call.rids is not None and call.rids[i] == rid:
-                    row = row or self._row(prompt, sp)
-                    row.finish = {"type": "abort", "message": msg}
-                    self._deliver(call, i, row, None)
-                    n += 1
-                else:
-                    kept.append(item)
-            self._queue = kept
-            for call, i, row in self._running:
-                if call.rids is not None and call.rids[i] == rid and row.finish is None:
-                    row.finish = {"type": "abort", "message": msg}
-                    n += 1
-            self._cond.notify_all()
-            return n
+    # ---- tokens and the HTTP front door -----------------------------------
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, as SGLang tokenizes a ``text`` prompt."""

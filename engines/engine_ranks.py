@@ -32,7 +32,8 @@ from engines import tensor_parallel as tpar
 from engines import weight_receiver as wr
 from engines.config import EngineConfig
 from engines.decode import ModelRunner
-from engines.weights import WeightLoadError, check_state_dict, load_into, read_state_dict
+from engines.weight_files import read_state_dict, verify_dir
+from engines.weights import WeightLoadError, check_state_dict, load_into
 
 
 def wait_all(refs: list[Any]) -> list[Any]:
@@ -47,9 +48,11 @@ def engine_device(cfg: EngineConfig) -> torch.device:
 
 
 def load_model(model_path: str, cfg: EngineConfig) -> torch.nn.Module:
-    """The full HF model on this rank's device, in eval mode."""
+    """The full HF model on this rank's device, in eval mode; a directory with a
+    manifest.json is verified first (WeightIntegrityError: nothing is loaded)."""
     from transformers import AutoModelForCausalLM
 
+    verify_dir(model_path)  # HF reads the files again, from the page cache
     device = engine_device(cfg)
     # float32 on CPU keeps a row's tokens independent of batch padding.
     dtype = "auto" if device.type == "cuda" else torch.float32
@@ -106,10 +109,11 @@ class EngineRank:
 
     # ---- weights ------------------------------------------------------------
 
-    def stage_from_disk(self, model_path: str) -> str | None:
-        """Read and check this rank's slice of ``model_path``; None when it fits."""
+    def stage_from_disk(self, model_path: str, roots: tuple[str, ...] | None = None) -> str | None:
+        """Read (confined to ``roots``, verified against the manifest, as rank 0
+        does) and check this rank's slice of ``model_path``; None when it fits."""
         try:
-            state = tpar.shard_state(read_state_dict(model_path), self.rank, self.tp)
+            state = tpar.shard_state(read_state_dict(model_path, roots), self.rank, self.tp)
             check_state_dict(self._model, state)
         except (WeightLoadError, OSError) as e:
             self._staged = None

@@ -14,8 +14,9 @@ finds again by name:
 
 ``generate_groups`` dispatches prompt groups (the n samples of one prompt
 always go to one engine, as one call) to the engine with the fewest
-outstanding requests. If an engine dies mid-rollout, it is restarted and its
-unfinished groups are regenerated whole, so a group never mixes versions.
+outstanding requests. If an engine dies mid-rollout (its actor, or only its
+decode loop: ``EngineDeadError``), it is restarted and its unfinished groups
+are regenerated whole, so a group never mixes versions.
 
 It never decides which version should be served: the caller (the reload and
 verify tasks) does; a restart defaults to the version a live peer reports.
@@ -38,7 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engines.client import EngineClient
 from engines.config import EngineConfig
-from engines.embedded import GENERATE_CONCURRENCY, actor_class
+from engines.embedded import GENERATE_CONCURRENCY, EngineDeadError, actor_class
 from engines.placement import SharedPlacement
 from engines.types import GenerateResult
 
@@ -99,7 +100,8 @@ class EngineGroup:
         return {i: h for i, h in found.items() if h is not None}
 
     def is_alive(self, i: int) -> bool:
-        """True if the engine answers a 1-token generation within health_timeout_s."""
+        """True if the engine answers a 1-token generation within health_timeout_s
+        (an engine whose decode loop died answers False: it needs a restart)."""
         h = self.handle(i)
         if h is None:
             return False
@@ -309,7 +311,7 @@ class EngineGroup:
             calls[i] -= 1
             try:
                 results[g] = ray.get(ref)
-            except RayActorError:
+            except (RayActorError, EngineDeadError):  # the actor, or its decode loop, died
                 pending.appendleft(g)  # regenerate the whole group
                 if gen == generation[i]:  # first failure seen from this incarnation
                     restarts[i] += 1

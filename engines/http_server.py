@@ -9,9 +9,14 @@ generate translation is in ``engines.protocol``. Never loads a file outside
 the allowed roots and never returns a token.
 
 Status codes: 400 for a malformed body (bad JSON, unknown field, wrong type,
-out-of-range value) or a refused operation (``/flush_cache`` while requests
-run, a failed reload), 401/403 for a missing/wrong admin token, 403 for a
-``model_path`` outside the allowed roots, 503 when unhealthy. Error bodies are
+out-of-range value, a request beyond the model's limits) or a refused
+operation (``/flush_cache`` while requests run, a failed or corrupt reload),
+401/403 for a missing/wrong admin token, 403 for a cross-origin browser
+request to an admin endpoint, for a ``model_path`` (or any file it links to)
+outside the allowed roots and for ``/update_weights_from_tensor`` on a server
+without a token (its handles must come from the run's actors, over Ray), 415
+for an admin body that is not ``application/json``, 503 when unhealthy (the
+decode loop died included). Error bodies are
 SGLang's ``ErrorResponse``: ``{"object": "error", "message", "type", "param",
 "code"}``; weight updates answer ``{success, message, num_paused_requests}``.
 
@@ -24,21 +29,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 
 from engines import protocol
-from engines.security import AuthError, check_bearer, require_token, resolve_allowed
+from engines.http_base import BadRequest, HttpServerThread, ServerSettings, error_response, parse
+from engines.security import (
+    AuthError,
+    check_bearer,
+    check_browser,
+    check_json_body,
+    require_token,
+    resolve_allowed,
+)
 from engines.types import (
     AbortRequestBody,
     ContinueGenerationBody,
@@ -57,44 +65,10 @@ from engines.types import (
 log = logging.getLogger(__name__)
 
 SERVER_VERSION = "prefect-rl-embedded (SGLang 0.5.x API)"
-B = TypeVar("B", bound=BaseModel)
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    host: str = "127.0.0.1"  # loopback unless an api_key is set
-    port: int = 0  # 0 = a free port
-    api_key: str | None = None  # bearer token of the admin endpoints
-    allowed_roots: tuple[str, ...] = ()  # dirs /update_weights_from_disk may load from
-
-
-class BadRequest(Exception):
-    """A 4xx with a message, raised by handlers and turned into an ErrorResponse."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def error_response(message: str, status: int) -> JSONResponse:
-    phrase = HTTPStatus(status).phrase
-    body = {"object": "error", "message": message, "type": phrase, "param": None, "code": status}
-    return JSONResponse(body, status_code=status)
-
-
-async def parse(request: Request, model: type[B]) -> B:
-    """The body as ``model``; an empty body is ``{}``. BadRequest names what is wrong."""
-    raw = await request.body()
-    try:
-        return model.model_validate_json(raw or b"{}")
-    except ValidationError as e:
-        errs = e.errors(include_url=False)
-        if errs and errs[0]["type"] == "json_invalid":
-            raise BadRequest(f"malformed JSON body: {errs[0]['msg']}") from None
-        detail = "; ".join(
-            f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}" for err in errs
-        )
-        raise BadRequest(f"invalid {model.__name__}: {detail}") from None
+__all__ = ["HttpServerThread", "ServerSettings", "build_app", "serve_in_thread", "serve_model"]
+NO_TENSOR_OVER_HTTP = (
+    "set an api_key to enable /update_weights_from_tensor over HTTP; runs push over Ray"
+)
 
 
 class _Server:
@@ -112,8 +86,11 @@ class _Server:
         pool = self.ctl_pool if control else self.gen_pool
         return await asyncio.get_running_loop().run_in_executor(pool, lambda: fn(*args))
 
-    def admin(self, request: Request) -> None:
+    async def admin(self, request: Request) -> None:
+        """The token, then no cross-origin browser, then a JSON body (security)."""
         check_bearer(request.headers.get("authorization"), self.settings.api_key)
+        check_browser(dict(request.headers), self.settings.host)
+        check_json_body(request.headers.get("content-type"), await request.body())
 
     # ---- generation and info ---------------------------------------------
 
@@ -165,22 +142,30 @@ class _Server:
     # ---- admin -----------------------------------------------------------
 
     async def update_weights_from_disk(self, request: Request) -> JSONResponse:
-        self.admin(request)
+        await self.admin(request)
         body = await parse(request, UpdateWeightsFromDiskBody)
         try:
             path = resolve_allowed(body.model_path, self.settings.allowed_roots)
         except PermissionError as e:
             reply = {"success": False, "message": str(e), "num_paused_requests": 0}
             return JSONResponse(reply, status_code=403)
-        res = await self.run(
-            lambda: self.engine.update_weights_from_disk(
-                path, body.weight_version, body.flush_cache, body.abort_all_requests
+        try:
+            res = await self.run(
+                lambda: self.engine.update_weights_from_disk(
+                    path,
+                    body.weight_version,
+                    body.flush_cache,
+                    body.abort_all_requests,
+                    allowed_roots=self.settings.allowed_roots,
+                )
             )
-        )
+        except PermissionError as e:  # engines.weights.WeightPathError: a file escapes
+            reply = {"success": False, "message": str(e), "num_paused_requests": 0}
+            return JSONResponse(reply, status_code=403)
         return JSONResponse(res, status_code=200 if res["success"] else 400)
 
     async def update_weight_version(self, request: Request) -> dict:
-        self.admin(request)
+        await self.admin(request)
         body = await parse(request, UpdateWeightVersionBody)
         if body.abort_all_requests:
             await self.run(lambda: self.engine.abort_request(abort_all=True))
@@ -189,19 +174,19 @@ class _Server:
         return {"success": True, "message": msg, "new_version": body.new_version}
 
     async def pause_generation(self, request: Request) -> dict:
-        self.admin(request)
+        await self.admin(request)
         body = await parse(request, PauseGenerationBody)
         await self.run(self.engine.pause_generation, body.mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     async def continue_generation(self, request: Request) -> dict:
-        self.admin(request)
+        await self.admin(request)
         await parse(request, ContinueGenerationBody)
         await self.run(self.engine.continue_generation)
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     async def flush_cache(self, request: Request) -> Response:
-        self.admin(request)
+        await self.admin(request)
         if await self.run(self.engine.flush_cache):
             return Response("Cache flushed.\n", status_code=200)
         raise BadRequest(
@@ -209,27 +194,32 @@ class _Server:
         )
 
     async def abort_request(self, request: Request) -> Response:
-        self.admin(request)
+        await self.admin(request)
         body = await parse(request, AbortRequestBody)
         await self.run(lambda: self.engine.abort_request(rid=body.rid, abort_all=body.abort_all))
         return Response(status_code=200)
 
     async def release_memory_occupation(self, request: Request) -> dict:
-        self.admin(request)
+        await self.admin(request)
         body = await parse(request, MemoryOccupationBody)
         return await self.run(self.engine.release_memory_occupation, body.tags)
 
     async def resume_memory_occupation(self, request: Request) -> dict:
-        self.admin(request)
+        await self.admin(request)
         body = await parse(request, MemoryOccupationBody)
         return await self.run(self.engine.resume_memory_occupation, body.tags)
 
     async def update_weights_from_tensor(self, request: Request) -> JSONResponse:
-        self.admin(request)
+        await self.admin(request)
+        if not self.settings.api_key:  # handles must come from the run's own actors
+            raise BadRequest(NO_TENSOR_OVER_HTTP, status=403)
         body = await parse(request, UpdateWeightsFromTensorBody)
         from engines.weight_receiver import decode_handle  # torch: only when used
 
-        handles = [decode_handle(h) for h in body.serialized_named_tensors]
+        try:
+            handles = [decode_handle(h) for h in body.serialized_named_tensors]
+        except ValueError as e:  # not a bucket handle (engines.safe_pickle)
+            raise BadRequest(str(e)) from None
         if body.abort_all_requests:
             await self.run(lambda: self.engine.abort_request(abort_all=True))
         res = await self.run(
@@ -243,7 +233,7 @@ class _Server:
         return JSONResponse(res, status_code=200 if res["success"] else 400)
 
     async def init_weights_update_group(self, request: Request) -> dict:
-        self.admin(request)
+        await self.admin(request)
         b = await parse(request, InitWeightsUpdateGroupBody)
         args = (
             b.master_address,
@@ -256,7 +246,7 @@ class _Server:
         return await self.run(self.engine.init_weights_update_group, *args)
 
     async def update_weights_from_distributed(self, request: Request) -> JSONResponse:
-        self.admin(request)
+        await self.admin(request)
         b = await parse(request, UpdateWeightsFromDistributedBody)
         if b.abort_all_requests:
             await self.run(lambda: self.engine.abort_request(abort_all=True))
@@ -268,13 +258,13 @@ class _Server:
         return JSONResponse(res, status_code=200 if res["success"] else 400)
 
     async def destroy_weights_update_group(self, request: Request) -> dict:
-        self.admin(request)
+        await self.admin(request)
         b = await parse(request, DestroyWeightsUpdateGroupBody)
         return await self.run(self.engine.destroy_weights_update_group, b.group_name)
 
     async def begin_weight_update(self, request: Request) -> dict:
         """Open a weight-update session (SGLang 0.5.23); a no-op bracket for this engine."""
-        self.admin(request)
+        await self.admin(request)
         await parse(request, WeightUpdateSessionBody)
         if self.update_session:
             raise BadRequest("a weight update is already in progress: call /end_weight_update")
@@ -282,7 +272,7 @@ class _Server:
         return {"success": True, "message": "weight update begun"}
 
     async def end_weight_update(self, request: Request) -> dict:
-        self.admin(request)
+        await self.admin(request)
         await parse(request, WeightUpdateSessionBody)
         if not self.update_session:
             raise BadRequest("no weight update in progress: call /begin_weight_update first")
@@ -340,35 +330,6 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     return app
 
 
-class HttpServerThread:
-    """uvicorn serving an app on a daemon thread; ``url`` once started."""
-
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
-        config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", lifespan="off", timeout_keep_alive=5
-        )
-        self.server = uvicorn.Server(config)
-        self.host = host
-        self.url = ""
-        self._thread = threading.Thread(target=self.server.run, name="engine-http", daemon=True)
-
-    def start(self, timeout_s: float = 30.0) -> str:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"engine HTTP server did not start on {self.host}")
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        self.url = f"http://{host}:{port}"
-        return self.url
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self.server.should_exit = True
-        self._thread.join(timeout_s)
-
-
 def serve_in_thread(engine: Any, settings: ServerSettings) -> HttpServerThread:
     """Start serving ``engine`` on a thread of this process; returns once it listens."""
     thread = HttpServerThread(build_app(engine, settings), settings.host, settings.port)
@@ -377,10 +338,34 @@ def serve_in_thread(engine: Any, settings: ServerSettings) -> HttpServerThread:
     return thread
 
 
+class _AbortingServer(uvicorn.Server):
+    """uvicorn that aborts the engine's requests when it shuts down: a generate
+    waiting on the engine must not keep SIGTERM from stopping the process."""
+
+    def __init__(self, config: uvicorn.Config, engine: Any) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        try:
+            await asyncio.to_thread(lambda: self.engine.abort_request(abort_all=True))
+        except Exception:  # a broken engine must not block the shutdown either
+            log.exception("engine http: abort at shutdown failed")
+        await super().shutdown(sockets)
+
+
 def serve_forever(engine: Any, settings: ServerSettings) -> None:
-    """Serve ``engine`` in the foreground until interrupted (``prefect-rl serve-engine``)."""
+    """Serve ``engine`` in the foreground until SIGINT/SIGTERM (``prefect-rl serve-engine``)."""
     app = build_app(engine, settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_keep_alive=5)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=10,
+    )
+    _AbortingServer(config, engine).run()
 
 
 def serve_model(

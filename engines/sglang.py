@@ -9,6 +9,13 @@ orphaned on the GPUs. The actor also answers the embedded engine's Ray methods
 (``generate``, ``update_weights_from_disk``, ...) by calling its server over
 HTTP with ``engines.client``, so ``EngineGroup`` drives both kinds alike.
 
+The admin token (the env var named by ``engines.api_key_env``) is passed on
+as ``--api-key``, so a server bound beyond loopback is never open; a
+non-loopback host without a token is refused before anything starts. The
+token is never logged: logs and ``command`` show it as ``***``. (It is on the
+server's command line, as SGLang takes it, so local users who can read
+``/proc`` can see it; run engines under their own user where that matters.)
+
 Needs the ``sglang`` extra and CUDA GPUs; tests launch a stand-in server
 script through ``engines.sglang.launch_command`` instead.
 """
@@ -33,6 +40,7 @@ import ray
 from engines.client import EngineClient
 from engines.config import EngineConfig, SGLangConfig
 from engines.embedded import CONTROL_CONCURRENCY, CONTROL_GROUP, GENERATE_CONCURRENCY
+from engines.security import require_token
 from engines.types import GenerateResult, PauseMode, UpdateWeightsResult
 
 log = logging.getLogger(__name__)
@@ -56,14 +64,33 @@ def free_port(host: str) -> int:
 
 
 def launch_args(
-    model_path: str, sc: SGLangConfig, tp_size: int, port: int, weight_version: int
+    model_path: str,
+    sc: SGLangConfig,
+    tp_size: int,
+    port: int,
+    weight_version: int,
+    api_key: str | None = None,
 ) -> list[str]:
     """``launch_server`` arguments (SGLang 0.5.x names) for one engine."""
     args = ["--model-path", model_path, "--host", sc.host, "--port", str(port)]
     args += ["--tp-size", str(tp_size), "--weight-version", str(weight_version)]
     if sc.mem_fraction_static is not None:
         args += ["--mem-fraction-static", str(sc.mem_fraction_static)]
+    if api_key:
+        args += ["--api-key", api_key]
     return args + list(sc.extra_args)
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """``argv`` with the value after ``--api-key`` replaced, for logs and errors."""
+    return [
+        "***"
+        if i and argv[i - 1] == "--api-key"
+        else a.split("=", 1)[0] + "=***"
+        if a.startswith("--api-key=")
+        else a
+        for i, a in enumerate(argv)
+    ]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -83,12 +110,15 @@ class SGLangEngine:
         host = "127.0.0.1" if sc.host in ("0.0.0.0", "::") else sc.host
         self.url = f"http://{host}:{port}"
         prefix = sc.launch_command or [sys.executable, "-m", "sglang.launch_server"]
-        self.command = [*prefix, *launch_args(model_path, sc, cfg.tp_size, port, weight_version)]
+        api_key = os.environ.get(cfg.api_key_env) or None
+        require_token(sc.host, api_key)  # before anything starts
+        args = launch_args(model_path, sc, cfg.tp_size, port, weight_version, api_key)
+        self._argv = [*prefix, *args]
+        self.command = redacted(self._argv)  # what logs and errors show
         log_dir = Path(sc.log_dir or tempfile.mkdtemp(prefix="prefect-rl-sglang-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = str(log_dir / f"engine-{engine_id}.log")
         self._proc = self._spawn()
-        api_key = os.environ.get(cfg.api_key_env) or None
         self.client = EngineClient(self.url, api_key=api_key, retries=2)
         self._wait_ready(sc.startup_timeout_s)
 
@@ -109,7 +139,7 @@ class SGLangEngine:
             try:
                 with open(self.log_path, "ab") as out:
                     box["proc"] = subprocess.Popen(
-                        self.command,
+                        self._argv,
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         env=env,

@@ -13,12 +13,15 @@ are strict: an unknown field or a wrong type is a 400, never ignored.
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PauseMode = Literal["abort", "in_place", "retract"]
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,42 @@ class SamplingParams:
             raise ValueError(f"top_p={p.top_p}: set top_p in (0, 1]")
         if p.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={p.max_new_tokens}: set max_new_tokens >= 1")
+        if not 0 <= p.sampling_seed <= MAX_SEED:
+            raise ValueError(f"sampling_seed={p.sampling_seed}: set sampling_seed in [0, 2**63-1]")
+        if not math.isfinite(p.temperature):
+            raise ValueError(f"temperature={p.temperature}: set a finite temperature >= 0")
         return p
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one engine's model accepts; ``check`` refuses a row before it is queued."""
+
+    vocab_size: int  # token ids must lie in [0, vocab_size)
+    context_length: int  # prompt + max_new_tokens must not exceed it
+
+    def check(self, prompt: list[Any], p: SamplingParams) -> list[int]:
+        """The prompt as a list of ints; ValueError naming the bound it breaks."""
+        try:
+            ids = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise ValueError("input_ids must be lists of integer token ids") from None
+        if not ids:
+            raise ValueError("empty prompt: every input_ids row needs >= 1 token")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size}): "
+                "send ids the model's tokenizer produced"
+            )
+        total = len(ids) + p.max_new_tokens
+        if total > self.context_length:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens + max_new_tokens={p.max_new_tokens} = {total} "
+                f"exceeds the context length {self.context_length}: shorten the prompt or "
+                "lower max_new_tokens (or raise engines.context_length)"
+            )
+        return ids
 
 
 class FinishReason(TypedDict, total=False):
@@ -115,7 +153,7 @@ class SamplingParamsBody(BaseModel):
     stop: str | list[str] | None = None  # stop strings; trimmed from ``text``
     stop_token_ids: list[int] | None = None  # added to the eos ids
     ignore_eos: bool = False  # ignore eos and stop_token_ids
-    n: int = Field(1, ge=1)  # samples of this prompt
+    n: int = Field(1, ge=1, le=1024)  # samples of this prompt (bounded: n rows are built)
     sampling_seed: int | None = None  # None = a fresh random seed per sample
 
     @field_validator("top_k")

@@ -3,17 +3,23 @@
 Owns turning what a trainer hands over into tensors copied into the model:
 - ``tensor`` buckets: shared-memory segments (CPU; a /dev/shm file the
   producer keeps until the engine's call returns) or CUDA IPC handles (GPU),
-  each holding one flat tensor per dtype in the ``flattened_bucket`` layout;
+  each holding one flat tensor per dtype in the ``flattened_bucket`` layout.
+  Handles are checked before use (``check_handle``): only the allow-listed
+  unpickler reads their bytes (``engines.safe_pickle``), and a shared-memory
+  handle may only name a producer segment in the shared-memory folder;
 - ``distributed`` buckets: flat tensors received by broadcast from trainer
   rank 0 over a process group of its own (gloo on CPU, NCCL on GPU), built
   from an explicit TCPStore so it never touches a default process group.
-Never decides versions and never frees the producer's memory.
+Never decides versions, never frees the producer's memory and never calls
+``pickle.loads`` on bytes from a request.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
+import tempfile
 from datetime import timedelta
 from typing import Any
 
@@ -21,9 +27,12 @@ import torch
 import torch.distributed as dist
 
 from engines.flat_bucket import FlatBucket, TensorMeta, flat_from_meta, to_dtype, unflatten
+from engines.safe_pickle import UnsafePickleError, safe_loads
 from engines.weights import WeightLoadError
 
 GROUP_TIMEOUT = timedelta(minutes=10)
+# training.weight_sender.ShmSegment names its files so; nothing else may be mapped.
+SHM_PREFIX = "prefect-rl-wb-"
 
 
 def encode_handle(handle: dict[str, Any]) -> str:
@@ -34,30 +43,92 @@ def encode_handle(handle: dict[str, Any]) -> str:
 
 
 def decode_handle(text: str) -> dict[str, Any]:
-    """Inverse of ``encode_handle`` (unpickles: admin-authenticated callers only)."""
+    """Inverse of ``encode_handle``, through the allow-list unpickler; a checked handle.
+    UnsafePickleError (a ValueError) for anything that is not a bucket handle."""
     import base64
+    import binascii
 
-    return pickle.loads(base64.b64decode(text))
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise UnsafePickleError(f"handle is not base64: {e}") from None
+    return check_handle(safe_loads(raw, "handle"))
+
+
+def shm_dirs() -> tuple[str, ...]:
+    """Where producers put shared-memory segments (``training.weight_sender._shm_dir``)."""
+    return tuple({os.path.realpath(d) for d in ("/dev/shm", tempfile.gettempdir())})
+
+
+def _fail(msg: str) -> None:
+    raise UnsafePickleError(f"bad bucket handle: {msg}")
+
+
+def check_handle(handle: Any) -> dict[str, Any]:
+    """``handle`` if it has the shape ``training.weight_sender`` makes, else UnsafePickleError.
+
+    A shared-memory handle must name a producer segment (``SHM_PREFIX``) in a
+    shared-memory folder, so a handle cannot map an arbitrary file into the weights.
+    """
+    if not isinstance(handle, dict) or handle.get("kind") not in ("shm", "cuda_ipc"):
+        _fail("expected a dict with kind 'shm' or 'cuda_ipc'")
+    parts = handle.get("parts")
+    if not isinstance(parts, list):
+        _fail("'parts' must be a list")
+    for part in parts:
+        meta = part.get("metadata") if isinstance(part, dict) else None
+        if not isinstance(meta, list) or not meta:
+            _fail("every part needs a non-empty 'metadata' list")
+        if not all(isinstance(m, TensorMeta) for m in meta):
+            _fail("metadata entries must be TensorMeta")
+        key, kind = ("offset", int) if handle["kind"] == "shm" else ("handle", bytes)
+        if not isinstance(part.get(key), kind):
+            _fail(f"every {handle['kind']} part needs {key!r} ({kind.__name__})")
+    if handle["kind"] == "shm":
+        path, nbytes = handle.get("path"), handle.get("nbytes")
+        if not isinstance(path, str) or not isinstance(nbytes, int) or nbytes <= 0:
+            _fail("a shm handle needs 'path' (str) and 'nbytes' (int > 0)")
+        real = os.path.realpath(path)
+        if os.path.dirname(real) not in shm_dirs() or not os.path.basename(real).startswith(
+            SHM_PREFIX
+        ):
+            _fail(f"shm path {path!r} is not a producer segment ({SHM_PREFIX}* in {shm_dirs()})")
+    return handle
 
 
 def open_bucket(handle: dict[str, Any], device: torch.device) -> list[FlatBucket]:
     """The FlatBuckets of one transfer handle, as views of the producer's memory."""
-    kind = handle["kind"]
+    kind = check_handle(handle)["kind"]
     if kind == "shm":
         buf = torch.from_file(handle["path"], shared=True, size=handle["nbytes"], dtype=torch.uint8)
         out = []
         for part in handle["parts"]:
             dtype = to_dtype(part["metadata"][0].dtype)
             nbytes = flat_from_meta(part["metadata"]) * torch.empty((), dtype=dtype).element_size()
+            if part["offset"] < 0 or part["offset"] + nbytes > handle["nbytes"]:
+                raise WeightLoadError(
+                    f"bucket part at {part['offset']} (+{nbytes} bytes) overruns the "
+                    f"{handle['nbytes']}-byte segment {handle['path']}"
+                )
             flat = buf[part["offset"] : part["offset"] + nbytes].view(dtype)
             out.append(FlatBucket(flat=flat, metadata=part["metadata"]))
         return out
     if kind == "cuda_ipc":
         return [
-            FlatBucket(flat=pickle.loads(part["handle"]), metadata=part["metadata"])
+            FlatBucket(flat=_cuda_tensor(part["handle"]), metadata=part["metadata"])
             for part in handle["parts"]
         ]
     raise ValueError(f"unknown bucket handle kind {kind!r}: expected 'shm' or 'cuda_ipc'")
+
+
+def _cuda_tensor(data: bytes) -> torch.Tensor:
+    """The producer's CUDA tensor behind a ForkingPickler dump, opened by IPC."""
+    import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reductions)
+
+    t = safe_loads(data, "CUDA IPC handle")
+    if not isinstance(t, torch.Tensor):
+        raise UnsafePickleError(f"CUDA IPC handle holds a {type(t).__name__}, not a tensor")
+    return t
 
 
 @torch.no_grad()

@@ -1,18 +1,18 @@
-"""Reading an HF safetensors directory into an already-built model.
+"""Checking a state dict against an already-built model, and copying it in.
 
 Owns the all-or-nothing rule of a weight reload: every tensor is read and
 checked (names, shapes) before the first parameter is touched, so a broken
-or mismatched directory leaves the old weights serving. Never builds a model
-and never changes its architecture.
+or mismatched directory leaves the old weights serving; and the errors a
+reload can end with. Reading the directory (confined, verified against its
+manifest) is ``engines.weight_files``. Never builds a model and never changes
+its architecture.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -22,29 +22,35 @@ class WeightLoadError(ValueError):
     """The directory cannot be loaded into this model; the model is untouched."""
 
 
-def shard_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of an HF dir: sharded (index) or single."""
-    root = Path(model_dir)
-    index = root / INDEX_NAME
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [root / name for name in sorted(set(weight_map.values()))]
-    if (root / SINGLE_NAME).exists():
-        return [root / SINGLE_NAME]
-    raise WeightLoadError(f"{root} has neither {INDEX_NAME} nor {SINGLE_NAME}")
+class WeightIntegrityError(WeightLoadError):
+    """A file differs from the directory's manifest.json (size or sha256)."""
 
 
-def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the directory, on CPU."""
-    state: dict[str, torch.Tensor] = {}
-    for path in shard_files(model_dir):
-        if not path.exists():
-            raise WeightLoadError(f"shard {path.name} listed in the index is missing")
-        try:
-            state.update(load_file(str(path), device="cpu"))
-        except Exception as e:  # safetensors raises its own error types
-            raise WeightLoadError(f"cannot read {path.name}: {e}") from e
-    return state
+class WeightPathError(WeightLoadError, PermissionError):
+    """A file the reload would open lies outside the allowed roots (HTTP: 403; a
+    PermissionError too, so the HTTP layer catches it without importing torch)."""
+
+
+def shard_names(index_json: bytes, where: str) -> list[str]:
+    """The shard file names of an HF index, each a plain name inside its directory."""
+    try:
+        weight_map = json.loads(index_json)["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise WeightLoadError(f"{where} is not an HF index ({type(e).__name__}: {e})") from None
+    for name in names:
+        if (
+            not isinstance(name, str)
+            or not name
+            or "/" in name
+            or "\\" in name
+            or name in (".", "..")
+        ):
+            raise WeightPathError(
+                f"{where} names shard {name!r}: shards must be plain file names inside the "
+                "model directory (no absolute paths, no '..', no sub-folders)"
+            )
+    return names
 
 
 def _tied_names(model: torch.nn.Module) -> set[str]:

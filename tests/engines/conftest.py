@@ -87,7 +87,10 @@ def engine_group(ray_cluster, tiny_dir):
     alive. Teardown is also the shutdown test: engines and their placement
     groups must be gone afterwards.
     """
-    cfg = EngineConfig(num_engines=2, num_cpus_per_engine=1.0, health_timeout_s=60.0)
+    # Past the tiny model's 64 positions: the pause tests need long generations.
+    cfg = EngineConfig(
+        num_engines=2, num_cpus_per_engine=1.0, health_timeout_s=60.0, context_length=1024
+    )
     group = EngineGroup(f"test-{uuid.uuid4().hex[:8]}", cfg, namespace="prefect-rl-test")
     group.start(str(tiny_dir), weight_version=0)
     yield group

@@ -2,7 +2,8 @@
 
 Takes the launch_server arguments the launcher passes (``--model-path``,
 ``--host``, ``--port``, ``--tp-size``, ``--weight-version``,
-``--mem-fraction-static`` and any extras, which it ignores) and serves the
+``--mem-fraction-static``, ``--api-key`` and any extras, which it ignores)
+and serves the
 embedded engine over the same HTTP protocol. It tests the launcher (command
 line, readiness wait, logs, stop), not SGLang itself. ``--exit-after-start``
 makes it exit with status 3 before serving, to test a failed launch;
@@ -29,15 +30,17 @@ def main() -> None:
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--weight-version", default="0")
     ap.add_argument("--mem-fraction-static", type=float, default=None)
+    ap.add_argument("--api-key", default=None)
     ap.add_argument("--exit-after-start", action="store_true")
     ap.add_argument("--ignore-sigterm", action="store_true")
     args, extra = ap.parse_known_args()
-    print(f"stand-in sglang server: {vars(args)} extra={extra}", flush=True)
+    shown = dict(vars(args), api_key="***" if args.api_key else None)  # never log the token
+    print(f"stand-in sglang server: {shown} extra={extra}", flush=True)
     if args.exit_after_start:
         sys.exit(3)
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    serve_model(args.model_path, args.host, args.port, args.weight_version)
+    serve_model(args.model_path, args.host, args.port, args.weight_version, api_key=args.api_key)
 
 
 if __name__ == "__main__":

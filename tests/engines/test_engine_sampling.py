@@ -40,7 +40,10 @@ def test_draws_follow_the_filtered_distribution():
     cases = {
         "full": (SamplingParams(temperature=1.0), probs),
         "top_k=2": (SamplingParams(temperature=1.0, top_k=2), torch.tensor([0, 4, 0, 3, 0]) / 7),
-        "top_p=0.6": (SamplingParams(temperature=1.0, top_p=0.6), torch.tensor([0, 4, 0, 3, 0]) / 7),
+        "top_p=0.6": (
+            SamplingParams(temperature=1.0, top_p=0.6),
+            torch.tensor([0, 4, 0, 3, 0]) / 7,
+        ),
     }
     for name, (p, want) in cases.items():
         gens = [make_generator(i) for i in range(len(logits))]

@@ -15,7 +15,7 @@ import ray
 from engines.config import EngineConfig
 from engines.flat_bucket import flatten
 from engines.group import EngineGroup
-from engines.weights import read_state_dict
+from engines.weight_files import read_state_dict
 from training.weight_sender import BroadcastSender, ShmSegment
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "stop_token_ids": []}

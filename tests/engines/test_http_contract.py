@@ -26,7 +26,8 @@ LONG = {"temperature": 1.0, "max_new_tokens": 400, "ignore_eos": True, "n": ROWS
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tiny_v1, broken_dir):
-    engine = EmbeddedEngine(str(tiny_dir), 0, EngineConfig(), weight_version=0)
+    # context_length: past the tiny model's 64 positions, for long generations to pause.
+    engine = EmbeddedEngine(str(tiny_dir), 0, EngineConfig(context_length=1024), weight_version=0)
     roots = (str(tiny_dir), str(tiny_v1), str(broken_dir))
     thread = serve_in_thread(engine, ServerSettings(allowed_roots=roots))
     yield thread.url

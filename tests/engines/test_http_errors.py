@@ -16,6 +16,7 @@ from engines.embedded import EmbeddedEngine
 from engines.http_server import HttpServerThread, ServerSettings, serve_in_thread
 
 TOKEN = "s3cret-token"
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,7 @@ BAD_GENERATE = {
     "empty prompt": b'{"input_ids": []}',
     "stream": b'{"input_ids": [1], "stream": true}',
     "mismatched batch": b'{"input_ids": [[1], [2]], "sampling_params": [{}]}',
+    "huge n": b'{"input_ids": [1], "sampling_params": {"n": 100000000}}',
 }
 
 
@@ -67,7 +69,7 @@ BAD_CONTROL = [
 
 @pytest.mark.parametrize("path,body", BAD_CONTROL)
 def test_bad_control_body_is_400(url, path, body):
-    r = httpx.post(f"{url}{path}", content=body)
+    r = httpx.post(f"{url}{path}", content=body, headers=JSON)
     assert r.status_code == 400 and r.json()["message"], r.text
     assert httpx.get(f"{url}/model_info").json()["weight_version"] == "0"
 
@@ -99,7 +101,8 @@ def test_admin_token_required_off_loopback(engine):
         assert httpx.post(f"{url}/flush_cache").status_code == 401
         assert httpx.post(f"{url}/release_memory_occupation", json={}).status_code == 401
         # Generation and info stay open; with the token, admin calls work.
-        assert httpx.post(f"{url}/generate", json={"input_ids": [1, 5]}).status_code == 200
+        short = {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 8}}
+        assert httpx.post(f"{url}/generate", json=short).status_code == 200
         with EngineClient(url, api_key=TOKEN) as admin:
             assert admin.flush_cache() and admin.get_weight_version() == "0"
     finally:

@@ -8,12 +8,14 @@ line, the readiness wait, the log, a clean stop, death with the actor.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 import ray
 
@@ -25,8 +27,9 @@ from engines.sglang import SGLangEngine
 STANDIN = str(Path(__file__).with_name("standin_sglang_server.py"))
 
 
-def _cfg(tmp_path, *flags: str, **kw) -> EngineConfig:
+def _cfg(tmp_path, *flags: str, host: str = "127.0.0.1", **kw) -> EngineConfig:
     sc = SGLangConfig(
+        host=host,
         launch_command=[sys.executable, STANDIN, *flags],
         log_dir=str(tmp_path),
         startup_timeout_s=60,
@@ -96,3 +99,27 @@ def test_launcher_stop_escalates_and_failed_launch_reports_log(tmp_path, tiny_di
         SGLangEngine(str(tiny_dir), 1, _cfg(tmp_path, "--exit-after-start"))
     assert "stand-in sglang server" in str(e.value)  # the log tail names the cause
     assert os.path.exists(tmp_path / "engine-1.log")
+
+
+def test_launcher_passes_the_token_as_api_key_and_never_logs_it(
+    tmp_path, tiny_dir, monkeypatch, caplog
+):
+    token = "launch-s3cret"
+    cfg = _cfg(tmp_path, host="0.0.0.0")
+    monkeypatch.delenv(cfg.api_key_env, raising=False)
+    with pytest.raises(ValueError, match="api key"):  # refused before anything starts
+        SGLangEngine(str(tiny_dir), 0, cfg)
+    assert not (tmp_path / "engine-0.log").exists()
+    monkeypatch.setenv(cfg.api_key_env, token)
+    caplog.set_level(logging.DEBUG, logger="engines.sglang")
+    eng = SGLangEngine(str(tiny_dir), 0, cfg)
+    try:
+        # The server got the token: its admin endpoints refuse a caller without it.
+        url = eng.client.base_url
+        assert httpx.post(f"{url}/pause_generation", json={"mode": "abort"}).status_code == 401
+        assert eng.client.flush_cache() is True  # the actor's client sends it
+        assert "--api-key" in eng.command and token not in " ".join(eng.command)
+        assert token not in caplog.text and "--api-key" in caplog.text
+        assert token not in (tmp_path / "engine-0.log").read_text()
+    finally:
+        eng.stop()

@@ -19,6 +19,8 @@ from engines.http_server import ServerSettings, serve_in_thread
 from training.tiny_model import write_tiny_model
 from training.weight_sender import ShmSegment
 
+TOKEN = "transport-token"
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -32,9 +34,10 @@ def test_tensor_and_distributed_updates_over_http(tmp_path, tiny_model_dir):
     engine = EmbeddedEngine(other, 0, EngineConfig(), weight_version=0)
     expected = EmbeddedEngine(tiny_model_dir, 1, EngineConfig()).state_sha256()
     start = engine.state_sha256()
-    thread = serve_in_thread(engine, ServerSettings())
+    # Tensor handles over HTTP need a token (runs push them over Ray instead).
+    thread = serve_in_thread(engine, ServerSettings(api_key=TOKEN))
     try:
-        with EngineClient(thread.url, timeout_s=60, retries=0) as client:
+        with EngineClient(thread.url, api_key=TOKEN, timeout_s=60, retries=0) as client:
             buckets = list(iter_buckets(sorted(target.items()), bucket_bytes=8 * 1024))
             for i, bucket in enumerate(buckets):
                 seg = ShmSegment(flatten(bucket))
