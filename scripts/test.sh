@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export RAY_AUTH_MODE=disabled PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 set +e
 .venv/bin/python -m pytest -m "not gpu" --durations=20 "$@"
 rc=$?

@@ -22,10 +22,26 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="prefect-rl", log_to_driver=False)
-    # No ray.shutdown() here: Ray's exit hook stops the cluster after every other
-    # session fixture (some tear down actors) has finished with it.
+        ray.init(
+            address="local",
+            num_cpus=8,
+            include_dashboard=False,
+            namespace="prefect-rl",
+            log_to_driver=False,
+        )
+    # No ray.shutdown() here: pytest_sessionfinish stops the cluster after every
+    # other session fixture (some tear down actors) has finished with it.
     yield ray
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the session's Ray cluster (its GCS, raylet and workers) once every
+    fixture is torn down, rather than leaving it to the interpreter's exit hook."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")

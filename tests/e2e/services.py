@@ -1,6 +1,8 @@
 """Real services for the end-to-end tests: a Prefect server with a temporary
 PREFECT_HOME on a free loopback port, a Ray head (`ray start --head`), and a
-process worker on the `prefect-rl` pool. Each is stopped with its process group."""
+process worker on the `prefect-rl` pool. Each is stopped with its whole session
+(every process it started, Ray's workers included), and the Ray address file
+that `ray start` wrote is removed with the head, as `ray stop` does."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(check, what: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+def _wait(
+    check, what: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None
+) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -34,19 +39,51 @@ def _wait(check, what: str, timeout: float, proc: subprocess.Popen | None = None
                 return
         except Exception:
             pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{what} not ready after {timeout}s:\n{log.read_text()[-3000:] if log else ''}")
+        time.sleep(0.2)
+    raise TimeoutError(
+        f"{what} not ready after {timeout}s:\n{log.read_text()[-3000:] if log else ''}"
+    )
+
+
+def session_pids(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (a process started with
+    ``start_new_session=True`` leads the session numbered by its pid; Ray's
+    workers put themselves in process groups of their own, but stay in it)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+            pids.append(int(d.name))
+    return pids
+
+
+def kill_session(sid: int, timeout: float = 10) -> None:
+    """SIGKILL every process left in session ``sid`` and wait until they are gone."""
+    deadline = time.monotonic() + timeout
+    while (pids := session_pids(sid)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
 
 
 def stop(proc: subprocess.Popen, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
-    """Stop a process group: the given signals, then SIGKILL."""
+    """Stop a process started in a session of its own: the given signals to its
+    group, then SIGKILL to whatever is left of its session."""
     for sig in signals:
         if proc.poll() is not None:
-            return
+            break
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -54,16 +91,32 @@ def stop(proc: subprocess.Popen, signals: tuple[int, ...] = (signal.SIGTERM,)) -
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+    kill_session(proc.pid)
+
+
+def forget_ray_address(port: int) -> None:
+    """Remove the address file ``ray start`` wrote for the head on ``port`` (what
+    ``ray stop`` does), so no later ``ray.init()`` is sent to a dead cluster. A file
+    naming another cluster (another user's on this machine) is left alone."""
+    path = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    try:
+        if path.read_text().strip().endswith(f":{port}"):
+            path.unlink()
+    except OSError:
+        pass
 
 
 class Stack:
     """A Prefect server, a Ray head and (after ``deploy``) a worker."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, ray_address: str | None = None):
+        """``ray_address``: a running cluster to use (the test session's) instead of a head of its own."""
         self.workdir = workdir
-        self.port, self.ray_port = free_port(), free_port()
+        self.port = free_port()
         self.api_url = f"http://127.0.0.1:{self.port}/api"
-        self.ray_address = f"127.0.0.1:{self.ray_port}"
+        self.own_ray = ray_address is None
+        self.ray_port = free_port() if self.own_ray else int(ray_address.rsplit(":", 1)[1])
+        self.ray_address = f"127.0.0.1:{self.ray_port}" if self.own_ray else ray_address
         self.env = {
             **os.environ,
             "PREFECT_HOME": str(workdir / "prefect-home"),
@@ -72,34 +125,75 @@ class Stack:
             "PREFECT_LOGGING_LEVEL": "INFO",
             "RAY_AUTH_MODE": "disabled",
             "RAY_USAGE_STATS_ENABLED": "0",
+            # The worker picks up a scheduled run within a second, not Prefect's default 10 s.
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
             "PWD": str(ROOT),
         }
         self.procs: list[tuple[subprocess.Popen, tuple[int, ...]]] = []
 
-    def _spawn(self, name: str, args: list[str], stop_signals=(signal.SIGTERM,)) -> tuple[subprocess.Popen, Path]:
+    def _spawn(
+        self, name: str, args: list[str], stop_signals=(signal.SIGTERM,)
+    ) -> tuple[subprocess.Popen, Path]:
         log = self.workdir / f"{name}.log"
         proc = subprocess.Popen(
-            args, cwd=ROOT, env=self.env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+            args,
+            cwd=ROOT,
+            env=self.env,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self.procs.append((proc, stop_signals))
         return proc, log
 
     def start(self) -> Stack:
         proc, log = self._spawn(
-            "server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
+            "server",
+            [
+                str(BIN / "prefect"),
+                "server",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
         )
-        _wait(lambda: httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200, "prefect server", 120, proc, log)
+        _wait(
+            lambda: httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200,
+            "prefect server",
+            120,
+            proc,
+            log,
+        )
+        if not self.own_ray:
+            return self
         proc, log = self._spawn(
             "ray",
-            [str(BIN / "ray"), "start", "--head", "--block", f"--port={self.ray_port}", "--num-cpus=8",
-             "--include-dashboard=false", "--disable-usage-stats"],
+            [
+                str(BIN / "ray"),
+                "start",
+                "--head",
+                "--block",
+                f"--port={self.ray_port}",
+                "--num-cpus=8",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+            ],
         )
         _wait(lambda: "Ray runtime started" in log.read_text(), "ray head", 120, proc, log)
         return self
 
-    def cli(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    def cli(
+        self, *args: str, timeout: float = 600, check: bool = True
+    ) -> subprocess.CompletedProcess:
         out = subprocess.run(
-            [str(BIN / "prefect"), *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout
+            [str(BIN / "prefect"), *args],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         if check and out.returncode != 0:
             raise AssertionError(
@@ -113,7 +207,8 @@ class Stack:
         self.cli("--no-prompt", "deploy", "--all")
         # The worker ignores the first SIGTERM: send it twice, then SIGKILL.
         proc, log = self._spawn(
-            "worker", [str(BIN / "prefect"), "worker", "start", "--pool", "rl-process"],
+            "worker",
+            [str(BIN / "prefect"), "worker", "start", "--pool", "rl-process"],
             stop_signals=(signal.SIGTERM, signal.SIGTERM),
         )
         _wait(lambda: "started" in log.read_text().lower(), "prefect worker", 120, proc, log)
@@ -125,3 +220,5 @@ class Stack:
     def close(self) -> None:
         for proc, signals in reversed(self.procs):
             stop(proc, signals)
+        if self.own_ray:
+            forget_ray_address(self.ray_port)

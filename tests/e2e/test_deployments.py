@@ -15,8 +15,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("stack")).start()
+def stack(ray_cluster, tmp_path_factory):
+    # The flow runs the worker starts join the test session's Ray cluster (as they
+    # would a long-lived cluster at ray.address), not a head started for this module.
+    address = ray_cluster.get_runtime_context().gcs_address
+    s = Stack(tmp_path_factory.mktemp("stack"), ray_address=address).start()
     try:
         s.deploy_and_start_worker()
         yield s
@@ -53,8 +56,16 @@ def overrides(stack, root, name: str, **extra) -> dict:
 
 def run_deployment(stack, name: str, params: dict, check: bool = True):
     return stack.cli(
-        "deployment", "run", name, "--params", json.dumps(params), "--watch", "--watch-timeout", "900",
-        timeout=1000, check=check,
+        "deployment",
+        "run",
+        name,
+        "--params",
+        json.dumps(params),
+        "--watch",
+        "--watch-timeout",
+        "900",
+        timeout=1000,
+        check=check,
     )
 
 
@@ -62,7 +73,9 @@ def flow_runs(client, deployment: str):
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 
     flow, dep = deployment.split("/")
-    return client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[dep])))
+    return client.read_flow_runs(
+        deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[dep]))
+    )
 
 
 def task_runs_named(client, prefix: str):
@@ -79,7 +92,9 @@ def store_of(root, name):
 @pytest.fixture(scope="module")
 def finished_run(stack, client, tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    run_deployment(stack, "rl-training/tiny-cpu", {"params": {"overrides": overrides(stack, root, "e2e")}})
+    run_deployment(
+        stack, "rl-training/tiny-cpu", {"params": {"overrides": overrides(stack, root, "e2e")}}
+    )
     return root
 
 
@@ -91,9 +106,16 @@ def test_deployment_run_completes_with_names_artifacts_and_versions(stack, clien
     assert {"e2e:iter[k=1]", "e2e:iter[k=2]"} <= all_flow_names
     names = {t.name for t in task_runs_named(client, "e2e:")}
     for k in (1, 2):
-        assert {f"e2e:rollout[k={k}]", f"e2e:train[k={k}]", f"e2e:save[k={k}]", f"e2e:publish[k={k}]",
-                f"e2e:reload[k={k},engine=0]", f"e2e:reload[k={k},engine=1]",
-                f"e2e:verify[k={k},engine=0]", f"e2e:verify[k={k},engine=1]"} <= names
+        assert {
+            f"e2e:rollout[k={k}]",
+            f"e2e:train[k={k}]",
+            f"e2e:save[k={k}]",
+            f"e2e:publish[k={k}]",
+            f"e2e:reload[k={k},engine=0]",
+            f"e2e:reload[k={k},engine=1]",
+            f"e2e:verify[k={k},engine=0]",
+            f"e2e:verify[k={k},engine=1]",
+        } <= names
     keys = {a.key for a in client.read_artifacts()}
     assert {"e2e-metrics", "e2e-progress", "e2e-summary", "e2e-reward-curve"} <= keys
     store = store_of(finished_run, "e2e")
@@ -103,13 +125,26 @@ def test_deployment_run_completes_with_names_artifacts_and_versions(stack, clien
 def test_failed_run_retried_from_the_api_reexecutes_only_the_failed_step(stack, client, tmp_path):
     from prefect.states import Scheduled
 
-    params = {"params": {"overrides": overrides(
-        stack, tmp_path, "retry", **{"run.iterations": 1, "tasks.retries": 2,
-                                     "faults": [{"step": "reload", "iteration": 1, "times": 3}]})}}
+    params = {
+        "params": {
+            "overrides": overrides(
+                stack,
+                tmp_path,
+                "retry",
+                **{
+                    "run.iterations": 1,
+                    "tasks.retries": 2,
+                    "faults": [{"step": "reload", "iteration": 1, "times": 3}],
+                },
+            )
+        }
+    }
     out = run_deployment(stack, "rl-training/tiny-cpu", params, check=False)
     assert out.returncode != 0, "the injected reload fault should fail the run"
     store = store_of(tmp_path, "retry")
-    before = {s: store.read_record(1, s)["committed_at"] for s in ("rollout", "train", "save", "publish")}
+    before = {
+        s: store.read_record(1, s)["committed_at"] for s in ("rollout", "train", "save", "publish")
+    }
     assert store.read_record(1, "reload-e0") is None or store.read_record(1, "reload-e1") is None
     run = next(r for r in flow_runs(client, "rl-training/tiny-cpu") if "retry" in r.tags)
     assert run.state.is_failed()
@@ -126,7 +161,12 @@ def test_failed_run_retried_from_the_api_reexecutes_only_the_failed_step(stack, 
     assert after == before, "finished steps must not run again"
     assert store.committed_versions() == [0, 1]
     cached = {t.name for t in task_runs_named(client, "retry:") if t.state_name == "Cached"}
-    assert {"retry:rollout[k=1]", "retry:train[k=1]", "retry:save[k=1]", "retry:publish[k=1]"} <= cached
+    assert {
+        "retry:rollout[k=1]",
+        "retry:train[k=1]",
+        "retry:save[k=1]",
+        "retry:publish[k=1]",
+    } <= cached
 
 
 def test_maintenance_deployments_and_rollback(stack, client, finished_run):
@@ -139,8 +179,11 @@ def test_maintenance_deployments_and_rollback(stack, client, finished_run):
     run_deployment(stack, "gc-versions/gc-versions", {"params": {**ref, "keep_last": 2}})
     assert {1, 2} <= set(store.committed_versions())  # v1 is served, v2 is the newest
     # A later training iteration continues from the ledger, not from the rollback.
-    run_deployment(stack, "rl-training/tiny-cpu", {"params": {
-        "overrides": overrides(stack, finished_run, "e2e"), "extra_iterations": 1}})
+    run_deployment(
+        stack,
+        "rl-training/tiny-cpu",
+        {"params": {"overrides": overrides(stack, finished_run, "e2e"), "extra_iterations": 1}},
+    )
     batch = store.read_rollouts(3)
     assert {s["weight_version"] for s in batch["samples"]} == {2}
     assert store.committed_versions()[-1] == 3
@@ -149,9 +192,17 @@ def test_maintenance_deployments_and_rollback(stack, client, finished_run):
 @pytest.mark.parametrize(
     "deployment, params, message",
     [
-        ("gc-versions/gc-versions", {"run_name": "e2e", "keep_last": 0}, "less than the minimum of 1"),
+        (
+            "gc-versions/gc-versions",
+            {"run_name": "e2e", "keep_last": 0},
+            "less than the minimum of 1",
+        ),
         ("verify-engines/verify-engines", {"run_name": "no-such-run"}, "no run 'no-such-run'"),
-        ("reload-engines/reload-engines", {"run_name": "e2e", "version": 99}, "version 99 of run 'e2e' is not committed"),
+        (
+            "reload-engines/reload-engines",
+            {"run_name": "e2e", "version": 99},
+            "version 99 of run 'e2e' is not committed",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_work(stack, client, finished_run, deployment, params, message):
