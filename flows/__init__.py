@@ -1,1 +1,9 @@
-"""flows"""
+"""flows: the Prefect flows, the plain driver and the CLI; nothing heavy.
+
+A flow function is the DAG and nothing else: ``iteration.rl_iteration`` and
+``driver.run_iteration`` both walk ``tasks.steps.ITERATION``. Config loading
+(YAML, --set) is in ``flows.config``; artifacts and progress lines are here.
+
+May import: tasks and everything below, prefect, prefect-ray. Nothing may import
+flows.
+"""

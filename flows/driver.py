@@ -11,25 +11,19 @@ from typing import Any
 
 from flows.config import RunConfig
 from flows.progress import iteration_line
-from tasks import steps
+from tasks import runner, steps
 from tasks.context import RunContext
 from tasks.lease import LeaseKeeper
 from tasks.prepare import prepare_run
 
 
 def run_iteration(ctx: RunContext, k: int) -> dict[str, Any]:
-    results: dict[str, Any] = {
-        "rollout": steps.rollout(ctx, k),
-        "train": steps.train(ctx, k),
-        "save": steps.save_checkpoint(ctx, k),
-        "publish": steps.publish_weights(ctx, k),
-    }
-    engines = range(ctx.cfg.engines.num_engines)
-    for e in engines:
-        results[f"reload-e{e}"] = steps.reload_engine(ctx, k, e)
-    for e in engines:
-        results[f"verify-e{e}"] = steps.verify_engine(ctx, k, e)
-    return steps.finish_iteration(ctx, k, results)
+    """Walk ``steps.ITERATION`` in order (per-engine steps engine by engine), then commit."""
+    results: dict[str, Any] = {}
+    for step in steps.ITERATION:
+        for e in step.engine_ids(ctx):
+            results[step.key(e)] = runner.run(ctx, step, k, e)
+    return runner.run(ctx, steps.FINISH, k, results=results)
 
 
 def run_plain(

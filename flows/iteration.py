@@ -16,8 +16,13 @@
             │
       finish[k]  ──► metrics row + ledger/iter_k/iteration.json (the iteration's commit)
 
-Each arrow waits for the one above it. Nothing but storage URIs and small
-records passes between tasks. Colocated (``placement.colocate``), train ranks
+The DAG is ``tasks.steps.ITERATION``, written once; this flow and the plain
+driver (``flows/driver.py``) both walk it. Each arrow waits for the one above
+it. Every step gets the same cross-cutting concerns from ``tasks.runner.run``:
+ledger first, timing, its colocation turn, its fault-injection point, warnings
+collected, the commit. Prefect adds retries, timeouts and the result cache
+(``{run}/{k}/{step}``) through ``_opts``; verify alone is never cached.
+Nothing but storage URIs and small records passes between tasks. Colocated (``placement.colocate``), train ranks
 and engines take turns on shared devices: each step first wakes the side it
 works with and puts the other to sleep (``tasks.colocate``). Shutdown: when
 healthy, ``rl_training`` ends the actors after the last iteration. After a
@@ -33,7 +38,8 @@ from typing import Any
 from prefect import flow, unmapped
 
 from flows.artifacts import iteration_table
-from tasks import rl_tasks
+from storage.fs import is_local
+from tasks import rl_tasks, steps
 from tasks.context import RunContext
 
 
@@ -59,13 +65,13 @@ def result_storage(ctx: RunContext):
         return _saved_storage[url]
     from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 
-    if "://" in url and not url.startswith("file://"):
+    if is_local(ctx.store.fs):  # storage.fs decides what is remote, not the URL's spelling
+        block = LocalFileSystem(basepath=url.removeprefix("file://"))
+    else:
         settings = {}
         if ctx.cfg.storage.s3.endpoint_url:
             settings["client_kwargs"] = {"endpoint_url": ctx.cfg.storage.s3.endpoint_url}
         block = RemoteFileSystem(basepath=url, settings=settings)
-    else:
-        block = LocalFileSystem(basepath=url.removeprefix("file://"))
     digest = hashlib.sha256(url.encode()).hexdigest()[:10]
     block.save(name=f"prefect-rl-results-{digest}", overwrite=True)
     _saved_storage[url] = block
@@ -77,23 +83,20 @@ _saved_storage: dict[str, object] = {}
 
 @flow(name="rl-iteration", flow_run_name="{ctx.run_name}:iter[k={k}]", log_prints=True)
 def rl_iteration(ctx: RunContext, k: int) -> dict[str, Any]:
-    engines = list(range(ctx.cfg.engines.num_engines))
-    rollout = _opts(ctx, rl_tasks.rollout).submit(ctx, k)
-    train = _opts(ctx, rl_tasks.train).submit(ctx, k, upstream=rollout)
-    save = _opts(ctx, rl_tasks.save_checkpoint).submit(ctx, k, upstream=train)
-    publish = _opts(ctx, rl_tasks.publish_weights).submit(ctx, k, upstream=save)
-    reloads = _opts(ctx, rl_tasks.reload_engine).map(unmapped(ctx), k, engines, upstream=unmapped(publish))
-    verifies = _opts(ctx, rl_tasks.verify_engine).map(unmapped(ctx), k, engines, upstream=reloads)
-    results: dict[str, Any] = {
-        "rollout": rollout.result(),
-        "train": train.result(),
-        "save": save.result(),
-        "publish": publish.result(),
-    }
-    for e, fut in zip(engines, reloads):
-        results[f"reload-e{e}"] = fut.result()
-    for e, fut in zip(engines, verifies):
-        results[f"verify-e{e}"] = fut.result()
+    futures: dict[str, Any] = {}
+    upstream: Any = None  # the futures of the step before: one, or one per engine
+    for step in steps.ITERATION:
+        task = _opts(ctx, rl_tasks.TASKS[step.name])
+        if step.per_engine:
+            engines = step.engine_ids(ctx)
+            # Per engine after per engine: engine e waits for its own upstream only.
+            wait = {"upstream": upstream if isinstance(upstream, list) else unmapped(upstream)}
+            upstream = task.map(unmapped(ctx), k, engines, **wait)
+            futures.update({step.key(e): f for e, f in zip(engines, upstream)})
+        else:
+            wait = {} if upstream is None else {"upstream": upstream}
+            upstream = futures[step.key()] = task.submit(ctx, k, **wait)
+    results = {key: fut.result() for key, fut in futures.items()}
     row = _opts(ctx, rl_tasks.finish_iteration).submit(ctx, k, results).result()
     iteration_table(ctx.run_name, k, row)
     return {**results, "row": row}

@@ -28,7 +28,9 @@ class TrainingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    config_path: str = Field("configs/tiny-cpu.yaml", title="Config file", description="YAML run config")
+    config_path: str = Field(
+        "configs/tiny-cpu.yaml", title="Config file", description="YAML run config"
+    )
     overrides: dict[str, Any] = Field(
         default_factory=dict,
         title="Overrides",
@@ -41,7 +43,9 @@ class TrainingParams(BaseModel):
         title="Continue by N iterations",
         description="Run N iterations past the last committed one (the nightly deployment uses this)",
     )
-    force_lease: bool = Field(False, title="Take over the lease", description="Only when the holder is dead")
+    force_lease: bool = Field(
+        False, title="Take over the lease", description="Only when the holder is dead"
+    )
 
 
 def _run_name() -> str:
@@ -90,7 +94,9 @@ def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
         if start > total:
             logger.info("run %r is complete (%d iterations); nothing to do", cfg.run.name, total)
         else:
-            logger.info("run %r: iterations %d..%d (store %s)", cfg.run.name, start, total, ctx.store.url)
+            logger.info(
+                "run %r: iterations %d..%d (store %s)", cfg.run.name, start, total, ctx.store.url
+            )
         iteration = rl_iteration.with_options(task_runner=RayTaskRunner(address=cfg.ray.address))
         progress = artifacts.start_progress(cfg.run.name, start - 1, total)
         step_seconds: dict[str, float] = {}
@@ -100,7 +106,7 @@ def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
             out = iteration(ctx, k)
             seconds.append(time.perf_counter() - t_iter)
             rows.append(out["row"])
-            add_step_seconds(step_seconds, out)
+            add_step_seconds(ctx, step_seconds, out)
             print(iteration_line(out["row"], total))
             artifacts.update_progress(progress, k, total)
         artifacts.run_summary(ctx, rows, step_seconds)
@@ -120,12 +126,13 @@ def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
     }
 
 
-def add_step_seconds(totals: dict[str, float], out: dict[str, Any]) -> None:
+def add_step_seconds(ctx, totals: dict[str, float], out: dict[str, Any]) -> None:
     """Add one iteration's step times (per-engine steps summed) to ``totals``."""
-    for step, result in out.items():
-        if isinstance(result, dict) and "step_s" in result:
-            name = step.split("-e")[0]
-            totals[name] = totals.get(name, 0.0) + result["step_s"]
+    for step in steps.ITERATION:
+        for e in step.engine_ids(ctx):
+            result = out[step.key(e)]
+            if "step_s" in result:
+                totals[step.name] = totals.get(step.name, 0.0) + result["step_s"]
 
 
 def continued(cfg: RunConfig, extra: int) -> RunConfig:

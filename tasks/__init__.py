@@ -1,1 +1,13 @@
-"""tasks"""
+"""tasks: the steps of an RL iteration and the Prefect tasks that run them.
+
+Read ``tasks/steps.py`` (each step's declaration and logic, and ``ITERATION``,
+the DAG written once) and ``tasks/runner.py`` (every cross-cutting concern a
+step gets: ledger first, timing, colocation turn, fault point, warnings,
+commit). ``rl_tasks`` / ``maintenance`` are the Prefect tasks; ``engines``
+holds the weight transports and engine glue, ``colocate`` the device turns,
+``verify`` the one version check, ``types`` the typed records.
+
+May import: storage, engines, training, rollout, prefect, ray. Must never
+import flows (``RunConfig`` lives here, in ``tasks.config``). Prefect only in
+``rl_tasks`` and ``maintenance``: the runner and the steps run without it.
+"""

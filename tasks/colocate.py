@@ -73,6 +73,24 @@ def wake_engine(ctx, engine_id: int) -> Memory | None:
     return {"engines": _engines(ctx, [engine_id], wake=True)}
 
 
+# The turns a step can declare (``tasks.runner.Step.turn``); the runner takes
+# the turn before the step's ``ready`` phase and again after it, since actors
+# that phase re-created start awake. Reload declares none: its transport
+# decides (``for_update``, push or not) inside ``tasks.engines``.
+TURNS = {
+    "rollout": lambda ctx, engine_id: for_rollout(ctx),
+    "training": lambda ctx, engine_id: for_training(ctx),
+    "engine": lambda ctx, engine_id: wake_engine(ctx, engine_id),
+}
+
+
+def take_turn(ctx, turn: str, engine_id: int | None) -> Memory | None:
+    """Apply the declared turn ``turn`` (a key of TURNS); the states it left."""
+    if turn not in TURNS:
+        raise ValueError(f"unknown colocation turn {turn!r}; declare one of {sorted(TURNS)}")
+    return TURNS[turn](ctx, engine_id)
+
+
 def recorded(memory: Memory | None) -> dict[str, Any]:
     """The ``memory`` entry of a step result ({} without colocation)."""
     return {} if memory is None else {"memory": memory}

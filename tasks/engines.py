@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import ClassVar
 
 import ray
 
@@ -52,7 +53,10 @@ def ensure_published(ctx, v: int) -> None:
         )
     log.warning(
         "weights v%d of run %r is %s (%s) although the ledger records it as published; republishing it",
-        v, ctx.run_name, state, why,
+        v,
+        ctx.run_name,
+        state,
+        why,
     )
     try:
         if v == 0:
@@ -87,18 +91,79 @@ def _manifest_reads(store, v: int) -> bool:
     return True
 
 
-IN_MEMORY = ("tensor", "distributed")
+class Transport:
+    """How weights reach the engines, chosen by ``weights.transport``.
+
+    The base is the disk path: engines reload from a version folder (local, or a
+    verified pull into the engines' cache). In-memory transports push trainer
+    state instead and still publish every ``weights.publish_interval``."""
+
+    name: ClassVar[str] = "disk"
+    pushes: ClassVar[bool] = False  # trainer state k goes straight to the engines
+
+    def version_after(self, ctx, k: int) -> int:
+        """The version engines serve after iteration k (read-only: nothing is republished)."""
+        return k if self.pushes else newest_published(ctx, k)
+
+    def serve(self, ctx, group, engine_id: int, v: int, force: bool) -> colocate.Memory | None:
+        """Bring engine ``engine_id`` to version v; the device states it leaves."""
+        return disk_engine_serves(ctx, group, engine_id, v, force)
+
+    def revive(self, ctx, group, engine_id: int, v: int) -> None:
+        """Restart the dead engine ``engine_id`` on version v."""
+        group.restart(engine_id, version_path(ctx, v), v)
+
+
+class DiskTransport(Transport):
+    name = "disk"
+
+
+class ObjectStoreTransport(Transport):
+    name = "object-store"  # the same reload: ``version_path`` pulls into a verified cache
+
+
+class TensorTransport(Transport):
+    name = "tensor"  # bucketed hand-off: shared memory on CPU, CUDA IPC on GPU
+    pushes = True
+
+    def serve(self, ctx, group, engine_id: int, v: int, force: bool) -> colocate.Memory | None:
+        return push_engine_serves(ctx, group, engine_id, v, force)
+
+    def revive(self, ctx, group, engine_id: int, v: int) -> None:
+        push_engine_serves(ctx, group, engine_id, v)  # restarted from disk, then pushed
+
+
+class DistributedTransport(TensorTransport):
+    name = "distributed"  # broadcast over gloo/NCCL
+
+
+TRANSPORTS: dict[str, Transport] = {
+    t.name: t()
+    for t in (DiskTransport, ObjectStoreTransport, TensorTransport, DistributedTransport)
+}
+
+
+def transport_for(ctx) -> Transport:
+    """The transport the run's ``weights.transport`` names."""
+    name = ctx.cfg.weights.transport
+    if name not in TRANSPORTS:
+        raise ValueError(f"weights.transport {name!r} is unknown; use one of {sorted(TRANSPORTS)}")
+    return TRANSPORTS[name]
 
 
 def in_memory(ctx) -> bool:
     """True when weights go from the trainer straight to the engines (tensor/distributed)."""
-    return ctx.cfg.weights.transport in IN_MEMORY
+    return transport_for(ctx).pushes
 
 
 def target_version(ctx, k: int) -> int:
     """The version engines serve after iteration k: k itself with an in-memory
-    transport (trainer state k is pushed), else the newest published one <= k."""
-    return k if in_memory(ctx) else expected_version(ctx, k + 1)
+    transport (trainer state k is pushed), else the newest published one <= k,
+    made readable again if it was damaged (``ensure_published``)."""
+    v = transport_for(ctx).version_after(ctx, k)
+    if not transport_for(ctx).pushes:
+        ensure_published(ctx, v)
+    return v
 
 
 def cache_dir(ctx) -> str:
@@ -147,7 +212,12 @@ def served_version(ctx, group, engine_id: int) -> str | None:
     try:
         with engine_client(ctx, group, engine_id) as client:
             return client.get_weight_version()
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, OSError, RuntimeError) as e:
+    except (
+        ray.exceptions.RayActorError,
+        ray.exceptions.GetTimeoutError,
+        OSError,
+        RuntimeError,
+    ) as e:
         log.warning("engine %d does not answer: %s", engine_id, e)
         return None
 
@@ -155,12 +225,18 @@ def served_version(ctx, group, engine_id: int) -> str | None:
 def ensure_engine_serves(
     ctx, group, engine_id: int, v: int, force_reload: bool = False
 ) -> colocate.Memory | None:
-    """Bring engine ``engine_id`` to version v over its HTTP API: restart it if
-    dead, else pause, update from disk, continue. Loading a version twice is harmless.
+    """Bring engine ``engine_id`` to version v the run's transport's way
+    (``transport_for``). Loading a version twice is harmless.
 
     Colocated, returns the device states it leaves (see ``tasks.colocate``)."""
-    if in_memory(ctx):
-        return push_engine_serves(ctx, group, engine_id, v, force_reload)
+    return transport_for(ctx).serve(ctx, group, engine_id, v, force_reload)
+
+
+def disk_engine_serves(
+    ctx, group, engine_id: int, v: int, force_reload: bool = False
+) -> colocate.Memory | None:
+    """Disk and object-store transports: restart a dead engine on v, else pause,
+    /update_weights_from_disk, continue (see ``_disk_reload``)."""
     path = version_path(ctx, v)
     # Trainer asleep before the engine wakes; the health check below runs a forward.
     memory = colocate.for_update(ctx, engine_id, push=False)
@@ -187,7 +263,9 @@ def push_engine_serves(
     memory = colocate.wake_engine(ctx, engine_id)  # the health check runs a forward
     if not group.is_alive(engine_id):
         base = max(committed)
-        log.warning("engine %d is not alive; restarting it on v%d, then pushing v%d", engine_id, base, v)
+        log.warning(
+            "engine %d is not alive; restarting it on v%d, then pushing v%d", engine_id, base, v
+        )
         colocate.for_update(ctx, engine_id, push=False)  # room for the new engine
         group.restart(engine_id, version_path(ctx, base), base)
         memory = colocate.wake_engine(ctx, engine_id)  # the new one's state

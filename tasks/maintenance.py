@@ -10,31 +10,49 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RunContext
-from tasks.engines import ensure_engine_serves, served_version
-from tasks.steps import VersionMismatch
+from tasks.engines import ensure_engine_serves
+from tasks.verify import check_serves
 
 
-@task(name="point_engine", task_run_name="{ctx.run_name}:point[engine={engine_id},v={version}]",
-      cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 5])
+@task(
+    name="point_engine",
+    task_run_name="{ctx.run_name}:point[engine={engine_id},v={version}]",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=[2, 5],
+)
 def point_engine(ctx: RunContext, version: int, engine_id: int) -> dict[str, Any]:
     ensure_engine_serves(ctx, ctx.engines(), engine_id, version, force_reload=True)
     return {"engine": engine_id, "version": version}
 
 
-@task(name="check_engine", task_run_name="{ctx.run_name}:check[engine={engine_id},v={version}]",
-      cache_policy=NO_CACHE)
-def check_engine(ctx: RunContext, version: int, engine_id: int, upstream: Any = None) -> dict[str, Any]:
-    served = served_version(ctx, ctx.engines(), engine_id)
-    if served != str(version):
-        raise VersionMismatch(
-            f"engine {engine_id} serves {served!r}, expected {str(version)!r}; "
-            "run the reload-engines deployment for this version"
-        )
+@task(
+    name="check_engine",
+    task_run_name="{ctx.run_name}:check[engine={engine_id},v={version}]",
+    cache_policy=NO_CACHE,
+)
+def check_engine(
+    ctx: RunContext, version: int, engine_id: int, upstream: Any = None
+) -> dict[str, Any]:
+    # The iteration's verify check (``tasks.verify``); read-only here, and no
+    # audit record: the verify-engines flow holds no lease, so it cannot commit.
+    check_serves(
+        ctx,
+        ctx.engines(),
+        engine_id,
+        version,
+        fix="run the reload-engines deployment for this version",
+    )
     return {"engine": engine_id, "version": version, "verified": True}
 
 
-@task(name="publish_checkpoint", task_run_name="{ctx.run_name}:publish-checkpoint[k={k}]",
-      cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 5, 15])
+@task(
+    name="publish_checkpoint",
+    task_run_name="{ctx.run_name}:publish-checkpoint[k={k}]",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=[2, 5, 15],
+)
 def publish_checkpoint(ctx: RunContext, k: int) -> dict[str, Any]:
     store = ctx.store
     warnings: list[str] = []
@@ -49,7 +67,11 @@ def publish_checkpoint(ctx: RunContext, k: int) -> dict[str, Any]:
     return {**out, "warnings": warnings} if warnings else out
 
 
-@task(name="collect_garbage", task_run_name="{ctx.run_name}:gc[keep={keep_last}]", cache_policy=NO_CACHE)
+@task(
+    name="collect_garbage",
+    task_run_name="{ctx.run_name}:gc[keep={keep_last}]",
+    cache_policy=NO_CACHE,
+)
 def collect_garbage(ctx: RunContext, keep_last: int) -> dict[str, Any]:
     report = ctx.store.gc(keep_last)
     return report.model_dump() if hasattr(report, "model_dump") else dict(report.__dict__)

@@ -1,4 +1,5 @@
-"""Prefect tasks: one per step, named with verbs, wrapping ``tasks/steps.py`` 1:1.
+"""Prefect tasks: one per step, named with verbs, each ``tasks.runner.run`` of
+its declaration in ``tasks/steps.py`` (``TASKS`` maps a declaration to its task).
 
 Cache keys are the ledger identity ``{run}/{k}/{step}`` and results are
 persisted under the run root, so a retried flow run shows finished steps as
@@ -14,7 +15,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from tasks import steps
+from tasks import runner, steps
 from tasks.context import RunContext
 
 # ``upstream`` is the result of the step before. Passing it as a parameter (not
@@ -38,50 +39,84 @@ def _logged(step: str, result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _ledger_key(step: str):
+def _ledger_key(step: runner.Step):
     def key(_context, parameters: dict[str, Any]) -> str:
         ctx: RunContext = parameters["ctx"]
-        suffix = f"-e{parameters['engine_id']}" if "engine_id" in parameters else ""
-        return f"{ctx.run_name}/{parameters['k']}/{step}{suffix}"
+        return f"{ctx.run_name}/{parameters['k']}/{step.key(parameters.get('engine_id'))}"
 
     return key
 
 
-@task(name="rollout", task_run_name="{ctx.run_name}:rollout[k={k}]", cache_key_fn=_ledger_key("rollout"))
+@task(
+    name="rollout",
+    task_run_name="{ctx.run_name}:rollout[k={k}]",
+    cache_key_fn=_ledger_key(steps.ROLLOUT),
+)
 def rollout(ctx: RunContext, k: int) -> dict[str, Any]:
-    return _logged("rollout", steps.rollout(ctx, k))
+    return _logged("rollout", runner.run(ctx, steps.ROLLOUT, k))
 
 
-@task(name="train", task_run_name="{ctx.run_name}:train[k={k}]", cache_key_fn=_ledger_key("train"))
+@task(
+    name="train", task_run_name="{ctx.run_name}:train[k={k}]", cache_key_fn=_ledger_key(steps.TRAIN)
+)
 def train(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, Any]:
-    return _logged("train", steps.train(ctx, k))
+    return _logged("train", runner.run(ctx, steps.TRAIN, k))
 
 
-@task(name="save_checkpoint", task_run_name="{ctx.run_name}:save[k={k}]", cache_key_fn=_ledger_key("save"))
+@task(
+    name="save_checkpoint",
+    task_run_name="{ctx.run_name}:save[k={k}]",
+    cache_key_fn=_ledger_key(steps.SAVE),
+)
 def save_checkpoint(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, Any]:
-    return _logged("save_checkpoint", steps.save_checkpoint(ctx, k))
+    return _logged("save_checkpoint", runner.run(ctx, steps.SAVE, k))
 
 
-@task(name="publish_weights", task_run_name="{ctx.run_name}:publish[k={k}]", cache_key_fn=_ledger_key("publish"))
+@task(
+    name="publish_weights",
+    task_run_name="{ctx.run_name}:publish[k={k}]",
+    cache_key_fn=_ledger_key(steps.PUBLISH),
+)
 def publish_weights(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, Any]:
-    return _logged("publish_weights", steps.publish_weights(ctx, k))
+    return _logged("publish_weights", runner.run(ctx, steps.PUBLISH, k))
 
 
 @task(
     name="reload_engine",
     task_run_name="{ctx.run_name}:reload[k={k},engine={engine_id}]",
-    cache_key_fn=_ledger_key("reload"),
+    cache_key_fn=_ledger_key(steps.RELOAD),
 )
 def reload_engine(ctx: RunContext, k: int, engine_id: int, upstream: Any = None) -> dict[str, Any]:
-    return _logged("reload_engine", steps.reload_engine(ctx, k, engine_id))
+    return _logged("reload_engine", runner.run(ctx, steps.RELOAD, k, engine_id))
 
 
-# Verify is never cached: it must look at what the engines serve now.
-@task(name="verify_engine", task_run_name="{ctx.run_name}:verify[k={k},engine={engine_id}]", cache_policy=NO_CACHE)
+# Verify is never cached: it must look at what the engines serve now (its
+# ledger record is an audit, rewritten on each pass).
+@task(
+    name="verify_engine",
+    task_run_name="{ctx.run_name}:verify[k={k},engine={engine_id}]",
+    cache_policy=NO_CACHE,
+)
 def verify_engine(ctx: RunContext, k: int, engine_id: int, upstream: Any = None) -> dict[str, Any]:
-    return _logged("verify_engine", steps.verify_engine(ctx, k, engine_id))
+    return _logged("verify_engine", runner.run(ctx, steps.VERIFY, k, engine_id))
 
 
-@task(name="finish_iteration", task_run_name="{ctx.run_name}:finish[k={k}]", cache_key_fn=_ledger_key("iteration"))
+@task(
+    name="finish_iteration",
+    task_run_name="{ctx.run_name}:finish[k={k}]",
+    cache_key_fn=_ledger_key(steps.FINISH),
+)
 def finish_iteration(ctx: RunContext, k: int, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return _logged("finish_iteration", steps.finish_iteration(ctx, k, results))
+    return _logged("finish_iteration", runner.run(ctx, steps.FINISH, k, results=results))
+
+
+# Each declaration's Prefect task: the flow walks ``steps.ITERATION`` through it.
+TASKS = {
+    steps.ROLLOUT.name: rollout,
+    steps.TRAIN.name: train,
+    steps.SAVE.name: save_checkpoint,
+    steps.PUBLISH.name: publish_weights,
+    steps.RELOAD.name: reload_engine,
+    steps.VERIFY.name: verify_engine,
+    steps.FINISH.name: finish_iteration,
+}

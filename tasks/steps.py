@@ -1,11 +1,11 @@
-"""The steps of one RL iteration as plain functions (no Prefect in here).
+"""The steps of one RL iteration: each one's declaration and its step logic only.
 
-The Prefect tasks in ``tasks/rl_tasks.py`` wrap these one to one, and the
-plain-Python driver (``flows/driver.py``) calls them directly. Each step:
-reads the ledger; brings the state it needs back from storage (dead actors are
-recreated, trainer state is restored and replayed); does its work; commits.
-Colocated, a step that works on a device first puts the train ranks and engines
-in the state it needs (``tasks.colocate``) and records it under ``memory``.
+Every step is a ``tasks.runner.Step``: its ledger key, colocation turn, fault
+point and phases (``skip`` / ``ready`` / ``work``). ``tasks.runner.run``
+applies the cross-cutting concerns (ledger first, timing, colocation turns,
+fault injection, warnings, the commit); the functions here do the step itself.
+``ITERATION`` is the DAG, written once: ``flows/iteration.py`` (Prefect) and
+``flows/driver.py`` (plain Python) both walk it. No Prefect in here.
 """
 
 from __future__ import annotations
@@ -14,28 +14,32 @@ import logging
 import time
 from typing import Any
 
-from rollout.datasets import PromptSource
-from rollout.rewards import load_reward
-from rollout.seeding import sample_seed
-from rollout.types import RolloutBatch, Sample
-from tasks import colocate
-from tasks.engines import (
-    ensure_engine_serves,
-    in_memory,
-    kill_engine,
-    kill_train_rank0,
-    served_version,
-    target_version,
-    version_path,
-)
-from tasks.faults import maybe_fail
-from tasks.ledger import run_step
+from rollout.procedure import VersionMismatch, generate_batch, summary
+from rollout.types import RolloutBatch
+from tasks import colocate, runner
+from tasks.engines import ensure_engine_serves, target_version, transport_for
+from tasks.runner import Step
+from tasks.types import VerifyRecord
+from tasks.verify import check_serves, now, rollout_version
+
+__all__ = [
+    "FINISH",
+    "ITERATION",
+    "VersionMismatch",
+    "finish_iteration",
+    "first_unfinished",
+    "publish_due",
+    "publish_weights",
+    "reload_engine",
+    "rollout",
+    "save_checkpoint",
+    "save_due",
+    "train",
+    "verify_engine",
+]
 
 log = logging.getLogger("prefect_rl.steps")
-
-
-class VersionMismatch(RuntimeError):
-    """An engine serves another weight version than the step expects."""
+Result = dict[str, Any]
 
 
 def _tokenizer(path: str):
@@ -47,123 +51,59 @@ def _tokenizer(path: str):
     return cache[path]
 
 
-def rollout(ctx, k: int) -> dict[str, Any]:
-    def work() -> dict[str, Any]:
-        store, cfg = ctx.store, ctx.cfg
-        saved = store.read_rollouts(k)
-        if saved is not None:  # generated before a crash: replay, never regenerate
-            return _rollout_summary(RolloutBatch.from_json(saved), reused=True)
-        v = target_version(ctx, k - 1)
-        group = ctx.engines()
-        colocate.for_rollout(ctx)  # the trainer frees the devices before engines (re)load
-        for i in range(cfg.engines.num_engines):
-            ensure_engine_serves(ctx, group, i, v)
-        memory = colocate.for_rollout(ctx)  # an in-memory update woke the trainer
-        maybe_fail(ctx, "rollout", k, kill=lambda: kill_engine(group, 0))
-        batch = _generate(ctx, group, k, v)
-        store.write_rollouts(k, batch.to_json())
-        return {**_rollout_summary(batch, reused=False), **colocate.recorded(memory)}
-
-    return run_step(ctx, k, "rollout", work)
+# -- rollout -------------------------------------------------------------------
+def _rollout_saved(ctx, k: int) -> Result | None:
+    saved = ctx.store.read_rollouts(k)
+    if saved is None:
+        return None
+    # generated before a crash: replay, never regenerate
+    return summary(RolloutBatch.from_json(saved), gen_s=None, reused=True)
 
 
-def _generate(ctx, group, k: int, v: int) -> RolloutBatch:
-    cfg, seed = ctx.cfg, ctx.cfg.run.seed
-    tok = _tokenizer(ctx.base_model_path)
-    reward_fn = load_reward(cfg.rollout.reward, cfg.rollout.trusted_reward_modules)
-    prompts = PromptSource(cfg.rollout, seed).batch(k)
-    n = cfg.rollout.n_samples_per_prompt
-    prompt_ids = [tok(p.text)["input_ids"] for p in prompts]
-    seeds = [[sample_seed(seed, k, p.index, j) for j in range(n)] for p in prompts]
-    sampling = {
-        "temperature": cfg.rollout.temperature,
-        "top_p": cfg.rollout.top_p,
-        "max_new_tokens": cfg.rollout.max_new_tokens,
-    }
-    t0 = time.perf_counter()
-    # A dead engine is restarted on the version this rollout needs, and its
-    # groups are regenerated whole, so no group mixes versions.
-    if in_memory(ctx):
-
-        def restart(i: int) -> None:
-            ensure_engine_serves(ctx, group, i, v)
-            colocate.for_rollout(ctx)  # a push woke the trainer; it sleeps while we generate
-
-    else:
-        path = version_path(ctx, v)
-        restart = lambda i: group.restart(i, path, v)  # noqa: E731
-    groups = group.generate_groups(prompt_ids, n, sampling, seeds, restart_fn=restart)
-    gen_s = time.perf_counter() - t0
-    samples: list[Sample] = []
-    for p, ids, outs in zip(prompts, prompt_ids, groups):
-        for j, out in enumerate(outs):
-            meta = out["meta_info"]
-            served = int(meta["weight_version"])
-            if served != v:
-                raise VersionMismatch(
-                    f"rollout[k={k}]: a sample came from weights v{served}, expected v{v}; "
-                    "the engines were not reloaded: rerun reload_engines"
-                )
-            finish = meta["finish_reason"]["type"]
-            if finish == "abort":
-                raise RuntimeError(f"rollout[k={k}]: a request was aborted; retry the rollout")
-            text = tok.decode(out["output_ids"], skip_special_tokens=True)
-            samples.append(
-                Sample(
-                    prompt_index=p.index,
-                    sample_index=j,
-                    prompt_ids=list(ids),
-                    response_ids=list(out["output_ids"]),
-                    response_logprobs=[float(x[0]) for x in meta["output_token_logprobs"]],
-                    reward=float(reward_fn(text, p.label)),
-                    weight_version=served,
-                    finish_reason=finish,
-                    response_text=text,
-                )
-            )
-    batch = RolloutBatch(iteration=k, n_samples_per_prompt=n, samples=samples)
-    object.__setattr__(batch, "_gen_s", gen_s)
-    return batch
+def _engines_serve_previous(ctx, k: int, engine_id: int | None) -> list[str]:
+    v = target_version(ctx, k - 1)
+    group = ctx.engines()
+    for i in range(ctx.cfg.engines.num_engines):
+        ensure_engine_serves(ctx, group, i, v)
+    return []
 
 
-def _rollout_summary(batch: RolloutBatch, reused: bool) -> dict[str, Any]:
-    rewards = batch.rewards
-    tokens = sum(len(s.response_ids) for s in batch.samples)
-    gen_s = getattr(batch, "_gen_s", None)
-    mean = sum(rewards) / len(rewards)
-    return {
-        "reward_mean": mean,
-        "reward_max": max(rewards),
-        "samples": len(rewards),
-        "response_tokens": tokens,
-        "gen_s": gen_s,
-        "gen_tokens_per_s": (tokens / gen_s) if gen_s else None,
-        "weight_version": batch.samples[0].weight_version if batch.samples else None,
-        "reused": reused,
-        "example": batch.samples[0].response_text if batch.samples else "",
-    }
+def _generate(ctx, k: int, engine_id: int | None) -> Result:
+    v = target_version(ctx, k - 1)
+    group = ctx.engines()
+    transport = transport_for(ctx)
+
+    def restart(i: int) -> None:
+        transport.revive(ctx, group, i, v)
+        colocate.for_rollout(ctx)  # a push (in-memory transports) woke the trainer: back to sleep
+
+    cfg = ctx.cfg
+    out = generate_batch(
+        cfg.rollout,
+        cfg.run.seed,
+        k,
+        v,
+        _tokenizer(ctx.base_model_path),
+        group.generate_groups,
+        restart,
+    )
+    ctx.store.write_rollouts(k, out.batch.to_json())
+    return summary(out.batch, gen_s=out.gen_s, reused=False)
 
 
-def train(ctx, k: int) -> dict[str, Any]:
-    def work() -> dict[str, Any]:
-        trainer = ctx.trainer()
-        memory, warned = _for_training(ctx, trainer, k - 1)
-        maybe_fail(ctx, "train", k, kill=lambda: kill_train_rank0(trainer))
-        return {**trainer.train(k), **colocate.recorded(memory), **warned}
+# -- train, save, publish ------------------------------------------------------
+def _state(k_of):
+    """A ``ready`` phase: the trainer holds state ``k_of(k)`` (restore + replay)."""
 
-    return run_step(ctx, k, "train", work)
+    def ready(ctx, k: int, engine_id: int | None) -> list[str]:
+        state = ctx.trainer().ensure_state(k_of(k), ctx.base_model_path) or {}
+        return list(state.get("warnings") or [])
+
+    return ready
 
 
-def _for_training(ctx, trainer, k: int) -> tuple[colocate.Memory | None, dict[str, list[str]]]:
-    """Engines asleep and the trainer awake (colocated), holding trainer state k.
-
-    Also returns ``{"warnings": [...]}`` when restoring state k warned (a corrupt
-    checkpoint skipped): merged into the step's result, the Prefect task logs
-    them to the task run's log, where users look, not only a Ray worker's."""
-    colocate.for_training(ctx)  # engines free the devices before any rank (re)loads
-    state = trainer.ensure_state(k, ctx.base_model_path) or {}
-    warned = {"warnings": list(state["warnings"])} if state.get("warnings") else {}
-    return colocate.for_training(ctx), warned  # re-created ranks start awake: this reads them back
+def _train(ctx, k: int, engine_id: int | None) -> Result:
+    return ctx.trainer().train(k)
 
 
 def _is_last(ctx, k: int) -> bool:
@@ -173,123 +113,203 @@ def _is_last(ctx, k: int) -> bool:
 def save_due(ctx, k: int) -> bool:
     # release_after_publish re-creates actors from a checkpoint each iteration.
     return (
-        k % ctx.cfg.run.save_interval == 0 or _is_last(ctx, k) or ctx.cfg.train.release_after_publish
+        k % ctx.cfg.run.save_interval == 0
+        or _is_last(ctx, k)
+        or ctx.cfg.train.release_after_publish
     )
 
 
-def save_checkpoint(ctx, k: int) -> dict[str, Any]:
-    def work() -> dict[str, Any]:
-        if not save_due(ctx, k):
-            return {"saved": False}
-        if k in ctx.store.committed_checkpoints():
-            return {"saved": True, "existing": True}
-        trainer = ctx.trainer()
-        memory, warned = _for_training(ctx, trainer, k)
-        maybe_fail(ctx, "save", k, kill=lambda: kill_train_rank0(trainer))
-        t0 = time.perf_counter()
-        trainer.save(k)
-        return {"saved": True, "save_s": time.perf_counter() - t0, **colocate.recorded(memory), **warned}
+def _save_skipped(ctx, k: int) -> Result | None:
+    if not save_due(ctx, k):
+        return {"saved": False}
+    if k in ctx.store.committed_checkpoints():
+        return {"saved": True, "existing": True}
+    return None
 
-    return run_step(ctx, k, "save", work)
+
+def _save(ctx, k: int, engine_id: int | None) -> Result:
+    t0 = time.perf_counter()
+    ctx.trainer().save(k)
+    return {"saved": True, "save_s": time.perf_counter() - t0}
 
 
 def publish_due(ctx, k: int) -> bool:
     return k % ctx.cfg.weights.publish_interval == 0 or _is_last(ctx, k)
 
 
-def publish_weights(ctx, k: int) -> dict[str, Any]:
-    def work() -> dict[str, Any]:
-        store = ctx.store
-        if not publish_due(ctx, k):
-            return {"published": False}
-        memory, warned = None, {}
-        if k not in store.committed_versions():
-            trainer = ctx.trainer()
-            memory, warned = _for_training(ctx, trainer, k)
-            maybe_fail(ctx, "publish", k, kill=lambda: kill_train_rank0(trainer))
-            parent = store.latest_version()
-            t0 = time.perf_counter()
-            trainer.export_hf(k, k, parent)
-            publish_s = time.perf_counter() - t0
-        else:
-            publish_s = 0.0
-        if ctx.cfg.train.release_after_publish:
-            ctx.trainer().release()
-        manifest = store.read_manifest(k)
-        return {
-            "published": True,
-            "version": k,
-            "url": store.version_url(k),
-            "bytes": sum(f.bytes for f in manifest.files),
-            "publish_s": publish_s,
-            **colocate.recorded(memory),
-            **warned,
-        }
-
-    return run_step(ctx, k, "publish", work)
+def _unpublished(ctx, k: int) -> bool:
+    return k not in ctx.store.committed_versions()
 
 
-def reload_engine(ctx, k: int, engine_id: int) -> dict[str, Any]:
-    def work() -> dict[str, Any]:
-        v = target_version(ctx, k)  # disk: the newest published version <= k
-        group = ctx.engines()
-        maybe_fail(ctx, "reload", k, kill=lambda: kill_engine(group, engine_id))
+def _publish(ctx, k: int, engine_id: int | None) -> Result:
+    store = ctx.store
+    publish_s = 0.0
+    if _unpublished(ctx, k):
+        parent = store.latest_version()
         t0 = time.perf_counter()
-        memory = ensure_engine_serves(ctx, group, engine_id, v, force_reload=True)
-        return {
-            "engine": engine_id,
-            "version": v,
-            "reload_s": time.perf_counter() - t0,
-            **colocate.recorded(memory),
-        }
+        ctx.trainer().export_hf(k, k, parent)
+        publish_s = time.perf_counter() - t0
+    if ctx.cfg.train.release_after_publish:
+        ctx.trainer().release()
+    manifest = store.read_manifest(k)
+    return {
+        "published": True,
+        "version": k,
+        "url": store.version_url(k),
+        "bytes": sum(f.bytes for f in manifest.files),
+        "publish_s": publish_s,
+    }
 
-    return run_step(ctx, k, f"reload-e{engine_id}", work)
+
+# -- reload, verify -------------------------------------------------------------
+def _reload(ctx, k: int, engine_id: int) -> Result:
+    v = target_version(ctx, k)  # disk: the newest published version <= k
+    t0 = time.perf_counter()
+    memory = ensure_engine_serves(ctx, ctx.engines(), engine_id, v, force_reload=True)
+    return {
+        "engine": engine_id,
+        "version": v,
+        "reload_s": time.perf_counter() - t0,
+        **colocate.recorded(memory),
+    }
 
 
-def verify_engine(ctx, k: int, engine_id: int) -> dict[str, Any]:
+def _verify(ctx, k: int, engine_id: int) -> Result:
     """Read-only check, except that a dead engine is restarted on the expected version."""
     v = target_version(ctx, k)
     group = ctx.engines()
-    maybe_fail(ctx, "verify", k, kill=lambda: kill_engine(group, engine_id))
-    colocate.wake_engine(ctx, engine_id)  # the health check below runs a forward
     if not group.is_alive(engine_id):
         log.warning("engine %d is dead at verify[k=%d]; restarting it on v%d", engine_id, k, v)
-        if in_memory(ctx):
-            ensure_engine_serves(ctx, group, engine_id, v)
-        else:
-            group.restart(engine_id, version_path(ctx, v), v)
-    served = served_version(ctx, group, engine_id)
-    if served != str(v):
+        transport_for(ctx).revive(ctx, group, engine_id, v)
+    served = check_serves(
+        ctx,
+        group,
+        engine_id,
+        v,
+        when=f" after iteration {k}",
+        fix="rerun reload_engines for this iteration",
+    )
+    # Rollout k was generated with what engines served after iteration k-1.
+    expected = transport_for(ctx).version_after(ctx, k - 1)
+    sampled = rollout_version(ctx, k)
+    if sampled is not None and sampled != expected:
         raise VersionMismatch(
-            f"engine {engine_id} serves weight version {served!r}, expected {str(v)!r} after "
-            f"iteration {k}; rerun reload_engines for this iteration"
+            f"rollout[k={k}] samples carry weight_version {sampled}, expected v{expected}; "
+            f"delete ledger/iter_{k:06d}/rollout.json and rollouts/iter_{k:06d}.json and rerun"
         )
-    return {"engine": engine_id, "version": v, "verified": True}
+    record = VerifyRecord(engine_id, v, True, served, sampled, expected, now())
+    return record.to_json()
 
 
-def finish_iteration(ctx, k: int, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Append the metrics row and commit the iteration (its ledger record is written last)."""
+# -- finish -----------------------------------------------------------------------
+def _finish(ctx, k: int, engine_id: None, results: dict[str, Result]) -> Result:
+    """Append the metrics row; the runner then commits the iteration (written last)."""
+    r, t, p = results["rollout"], results["train"], results["publish"]
+    reloads = [results[RELOAD.key(e)] for e in RELOAD.engine_ids(ctx) if RELOAD.key(e) in results]
+    row = {
+        "iteration": k,
+        "reward_mean": r["reward_mean"],
+        "loss": t.get("loss"),
+        "kl": t.get("kl"),
+        "gen_tokens_per_s": r.get("gen_tokens_per_s"),
+        "train_tokens_per_s": t.get("tokens_per_s"),
+        "publish_s": p.get("publish_s"),
+        "reload_s": max((x.get("reload_s") or 0.0 for x in reloads), default=0.0),
+        "example": r.get("example"),
+    }
+    ctx.store.append_metrics(k, row)
+    if ctx.cfg.storage.keep_last:
+        ctx.store.gc(ctx.cfg.storage.keep_last)
+    return row
 
-    def work() -> dict[str, Any]:
-        r, t, p = results["rollout"], results["train"], results["publish"]
-        reloads = [v for key, v in results.items() if key.startswith("reload")]
-        row = {
-            "iteration": k,
-            "reward_mean": r["reward_mean"],
-            "loss": t.get("loss"),
-            "kl": t.get("kl"),
-            "gen_tokens_per_s": r.get("gen_tokens_per_s"),
-            "train_tokens_per_s": t.get("tokens_per_s"),
-            "publish_s": p.get("publish_s"),
-            "reload_s": max((x.get("reload_s") or 0.0 for x in reloads), default=0.0),
-            "example": r.get("example"),
-        }
-        ctx.store.append_metrics(k, row)
-        if ctx.cfg.storage.keep_last:
-            ctx.store.gc(ctx.cfg.storage.keep_last)
-        return row
 
-    return run_step(ctx, k, "iteration", work)
+# -- the declarations: what each step is --------------------------------------------
+ROLLOUT = Step(
+    "rollout",
+    "rollout",
+    _generate,
+    fault="rollout",
+    kill="engine",
+    turn="rollout",
+    skip=_rollout_saved,
+    ready=_engines_serve_previous,
+)
+TRAIN = Step(
+    "train",
+    "train",
+    _train,
+    fault="train",
+    kill="train_rank0",
+    turn="training",
+    ready=_state(lambda k: k - 1),
+)
+SAVE = Step(
+    "save",
+    "save_checkpoint",
+    _save,
+    fault="save",
+    kill="train_rank0",
+    turn="training",
+    skip=_save_skipped,
+    ready=_state(lambda k: k),
+)
+PUBLISH = Step(
+    "publish",
+    "publish_weights",
+    _publish,
+    fault="publish",
+    kill="train_rank0",
+    turn="training",
+    skip=lambda ctx, k: None if publish_due(ctx, k) else {"published": False},
+    needs=_unpublished,
+    ready=_state(lambda k: k),
+)
+# Reload declares no turn: the transport decides it (``tasks.engines``).
+RELOAD = Step("reload", "reload_engine", _reload, per_engine=True, fault="reload", kill="engine")
+# Verify is an audit: it runs every time and rewrites its record when it passes.
+VERIFY = Step(
+    "verify",
+    "verify_engine",
+    _verify,
+    per_engine=True,
+    fault="verify",
+    kill="engine",
+    turn="engine",
+    audit=True,
+)
+FINISH = Step("iteration", "finish_iteration", _finish)  # the iteration's commit
+
+# The DAG of one iteration, in order; each step waits for the one before it.
+ITERATION: tuple[Step, ...] = (ROLLOUT, TRAIN, SAVE, PUBLISH, RELOAD, VERIFY)
+
+
+# -- the steps as plain calls (tests, bench and older callers) ----------------------
+def rollout(ctx, k: int) -> Result:
+    return runner.run(ctx, ROLLOUT, k)
+
+
+def train(ctx, k: int) -> Result:
+    return runner.run(ctx, TRAIN, k)
+
+
+def save_checkpoint(ctx, k: int) -> Result:
+    return runner.run(ctx, SAVE, k)
+
+
+def publish_weights(ctx, k: int) -> Result:
+    return runner.run(ctx, PUBLISH, k)
+
+
+def reload_engine(ctx, k: int, engine_id: int) -> Result:
+    return runner.run(ctx, RELOAD, k, engine_id)
+
+
+def verify_engine(ctx, k: int, engine_id: int) -> Result:
+    return runner.run(ctx, VERIFY, k, engine_id)
+
+
+def finish_iteration(ctx, k: int, results: dict[str, Result]) -> Result:
+    return runner.run(ctx, FINISH, k, results=results)
 
 
 def first_unfinished(ctx) -> int:

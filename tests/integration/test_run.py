@@ -63,7 +63,9 @@ def test_verify_fails_when_an_engine_is_left_on_an_old_version(ray_cluster, tmp_
     reply = ray_cluster.get(handle.update_weights_from_disk.remote(version_path(ctx, 1), "1"))
     assert reply["success"]
     assert steps.verify_engine(ctx, 2, 0)["verified"]
-    with pytest.raises(steps.VersionMismatch, match="engine 1 serves weight version '1', expected '2'"):
+    with pytest.raises(
+        steps.VersionMismatch, match="engine 1 serves weight version '1', expected '2'"
+    ):
         steps.verify_engine(ctx, 2, 1)
 
 
@@ -93,7 +95,9 @@ def test_flow_run_on_ray_task_runner(ray_cluster, prefect_api, tmp_path):
         "engines.num_cpus_per_engine": 0.5,
         "train.num_cpus_per_worker": 0.5,
     }
-    state = rl_training(TrainingParams(config_path="configs/tiny-cpu.yaml", overrides=overrides), return_state=True)
+    state = rl_training(
+        TrainingParams(config_path="configs/tiny-cpu.yaml", overrides=overrides), return_state=True
+    )
     assert state.is_completed(), state
     out = state.result()
     assert out["iterations"] == [1, 2]
@@ -103,7 +107,15 @@ def test_flow_run_on_ray_task_runner(ray_cluster, prefect_api, tmp_path):
     store = RunStore(cfg.storage, "flow")
     assert store.committed_versions() == [0, 1, 2]
     for k in (1, 2):
-        assert {"rollout", "train", "save", "publish", "reload-e0", "reload-e1", "iteration"} <= set(store.committed_steps(k))
+        assert {
+            "rollout",
+            "train",
+            "save",
+            "publish",
+            "reload-e0",
+            "reload-e1",
+            "iteration",
+        } <= set(store.committed_steps(k))
     # a finished run reports complete and does nothing
     again = rl_training(TrainingParams(config_path="configs/tiny-cpu.yaml", overrides=overrides))
     assert again["iterations"] == []

@@ -1,0 +1,93 @@
+"""The step runner (``tasks.runner``): ledger first, phases in order, fault
+points, audit records, per-engine keys. Real storage (a local RunStore); the
+steps are small declarations of their own, no actors."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.config import load_config
+from tasks import runner
+from tasks.context import RunContext
+from tasks.faults import InjectedFault
+from tasks.runner import Step
+
+
+def make_ctx(tmp_path, faults=None) -> RunContext:
+    over = {"run.name": "unit", "storage.root": str(tmp_path), "faults": faults or []}
+    return RunContext(cfg=load_config("configs/tiny-cpu.yaml", over), base_model_path=str(tmp_path))
+
+
+def test_a_committed_step_is_returned_from_the_ledger(tmp_path):
+    ctx, calls = make_ctx(tmp_path), []
+    step = Step("work", "do_work", lambda ctx, k, e: calls.append(k) or {"value": k})
+    first = runner.run(ctx, step, 3)
+    again = runner.run(ctx, step, 3)
+    assert calls == [3]
+    assert (first["value"], first["cached"], again["value"], again["cached"]) == (3, False, 3, True)
+    assert ctx.store.read_record(3, "work")["result"] == {"value": 3}
+
+
+def test_phases_run_in_order_and_warnings_are_committed(tmp_path, monkeypatch):
+    ctx, order = make_ctx(tmp_path), []
+    monkeypatch.setattr(
+        runner, "maybe_fail", lambda ctx, point, k, kill: order.append(f"fault:{point}")
+    )
+    step = Step(
+        "s",
+        "s_task",
+        lambda ctx, k, e: order.append("work") or {"ok": True},
+        fault="s",
+        ready=lambda ctx, k, e: order.append("ready") or ["restored from an older checkpoint"],
+        skip=lambda ctx, k: order.append("skip") or None,
+    )
+    out = runner.run(ctx, step, 1)
+    assert order == ["skip", "ready", "fault:s", "work"]
+    assert out["warnings"] == ["restored from an older checkpoint"]
+
+
+def test_skip_answers_without_ready_fault_or_work(tmp_path):
+    ctx = make_ctx(tmp_path, faults=[{"step": "train", "iteration": 1}])
+    boom = lambda *a: pytest.fail("must not run")  # noqa: E731
+    step = Step("s", "s_task", boom, fault="train", ready=boom, skip=lambda ctx, k: {"due": False})
+    assert runner.run(ctx, step, 1)["due"] is False
+
+
+def test_the_declared_fault_point_fires_once_then_heals(tmp_path):
+    ctx = make_ctx(tmp_path, faults=[{"step": "train", "iteration": 2}])
+    step = Step("s", "s_task", lambda ctx, k, e: {"k": k}, fault="train")
+    assert runner.run(ctx, step, 1)["k"] == 1  # no fault at k=1
+    with pytest.raises(InjectedFault, match=r"train\[k=2\]"):
+        runner.run(ctx, step, 2)
+    assert ctx.store.read_record(2, "s") is None  # nothing committed by the failed attempt
+    assert runner.run(ctx, step, 2)["k"] == 2
+
+
+def test_per_engine_keys_and_audit_records(tmp_path):
+    ctx, seen = make_ctx(tmp_path), []
+    step = Step(
+        "check",
+        "check_task",
+        lambda ctx, k, e: seen.append(e) or {"engine": e},
+        per_engine=True,
+        audit=True,
+    )
+    assert step.key(3) == "check-e3"
+    with pytest.raises(ValueError, match="pass engine_id"):
+        step.key()
+    runner.run(ctx, step, 1, 3)
+    runner.run(ctx, step, 1, 3)
+    assert seen == [3, 3]  # an audit step runs every time
+    assert ctx.store.read_record(1, "check-e3")["result"] == {"engine": 3}
+
+
+def test_the_iteration_is_declared_once():
+    from tasks import rl_tasks, steps
+
+    names = [s.name for s in steps.ITERATION]
+    assert names == ["rollout", "train", "save", "publish", "reload", "verify"]
+    assert set(rl_tasks.TASKS) == {*names, "iteration"}
+    assert [s.name for s in steps.ITERATION if s.per_engine] == ["reload", "verify"]
+    assert [s.name for s in steps.ITERATION if s.audit] == ["verify"]
+    # every fault point of the e2e matrix is declared by exactly one step
+    assert sorted(s.fault for s in steps.ITERATION) == sorted(names)
