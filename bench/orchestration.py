@@ -35,7 +35,12 @@ def main() -> None:
     from tasks.prepare import prepare_run
 
     root = tempfile.mkdtemp(prefix="bench-orch-")
-    overrides = {"run.name": "bench-orch", "storage.root": root, "run.iterations": n, "run.save_interval": 1000}
+    overrides = {
+        "run.name": "bench-orch",
+        "storage.root": root,
+        "run.iterations": n,
+        "run.save_interval": 1000,
+    }
     cfg = load_config(args.config, overrides)
     ctx = prepare_run(cfg)
     plain: list[float] = []
@@ -46,7 +51,9 @@ def main() -> None:
     ctx.store.release_lease(ctx.owner)
 
     t0 = time.perf_counter()
-    out = rl_training(TrainingParams(config_path=args.config, overrides={**overrides, "run.iterations": 2 * n}))
+    out = rl_training(
+        TrainingParams(config_path=args.config, overrides={**overrides, "run.iterations": 2 * n})
+    )
     flow_total = time.perf_counter() - t0
     assert out["iterations"] == list(range(n + 1, 2 * n + 1)), out
     # The first iteration of each driver pays one-off costs (actor creation for

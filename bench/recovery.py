@@ -30,8 +30,15 @@ def main() -> None:
     from flows.driver import run_plain
 
     root = tempfile.mkdtemp(prefix="bench-recovery-")
-    cfg = load_config("configs/tiny-cpu.yaml", {"run.name": "bench-rec", "storage.root": root,
-                                                 "run.iterations": 4, "run.save_interval": 2})
+    cfg = load_config(
+        "configs/tiny-cpu.yaml",
+        {
+            "run.name": "bench-rec",
+            "storage.root": root,
+            "run.iterations": 4,
+            "run.save_interval": 2,
+        },
+    )
     ctx, _, _ = run_plain(cfg, quiet=True)
     trainer, base = ctx.trainer(), ctx.base_model_path
     ctx.store.write_rollouts(5, ctx.store.read_rollouts(4))  # a step to run after recovery
@@ -61,8 +68,12 @@ def main() -> None:
     }
     row["ratio"] = row["recover_and_train_s"] / row["load_checkpoint_s"]
     print("| operation (tiny config, median of 3) | seconds |\n|---|---|")
-    print(f"| kill rank 0 -> actors recreated, checkpoint 4 restored, one train step | {row['recover_and_train_s']:.2f} |")
-    print(f"| kill rank 0 -> checkpoint 2 restored + iteration 3 replayed | {row['recover_with_replay_s']:.2f} |")
+    print(
+        f"| kill rank 0 -> actors recreated, checkpoint 4 restored, one train step | {row['recover_and_train_s']:.2f} |"
+    )
+    print(
+        f"| kill rank 0 -> checkpoint 2 restored + iteration 3 replayed | {row['recover_with_replay_s']:.2f} |"
+    )
     print(f"| baseline: load_checkpoint(4) on live actors | {row['load_checkpoint_s']:.3f} |")
     print(f"| ratio recovery / checkpoint load | {row['ratio']:.1f}x |")
     Path("bench/results").mkdir(parents=True, exist_ok=True)

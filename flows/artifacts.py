@@ -26,12 +26,16 @@ def artifact_key(run: str, what: str) -> str:
 
 def iteration_table(run: str, k: int, row: dict[str, Any]) -> None:
     table = [{"metric": key, "value": value} for key, value in row.items()]
-    create_table_artifact(table=table, key=artifact_key(run, "metrics"), description=f"{run}: iteration {k}")
+    create_table_artifact(
+        table=table, key=artifact_key(run, "metrics"), description=f"{run}: iteration {k}"
+    )
 
 
 def start_progress(run: str, done: int, total: int) -> UUID:
     return create_progress_artifact(
-        progress=100.0 * done / max(total, 1), key=artifact_key(run, "progress"), description=f"{run}: iterations done"
+        progress=100.0 * done / max(total, 1),
+        key=artifact_key(run, "progress"),
+        description=f"{run}: iterations done",
     )
 
 
@@ -42,12 +46,20 @@ def update_progress(artifact_id: UUID, done: int, total: int) -> None:
 def run_summary(ctx, rows: list[dict[str, Any]], step_seconds: dict[str, float]) -> None:
     store, run = ctx.store, ctx.run_name
     all_rows = store.read_metrics()
-    md = summary_markdown(run, store.url, rows, store.committed_versions(), step_seconds, store.serving_versions())
+    md = summary_markdown(
+        run, store.url, rows, store.committed_versions(), step_seconds, store.serving_versions()
+    )
     if all_rows:
         png = reward_curve_png(all_rows, f"{run}: mean reward")
         store.fs.makedirs(f"{store.url}/reports", exist_ok=True)
         store.fs.pipe_file(f"{store.url}/reports/reward_curve.png", png)
         data_url = "data:image/png;base64," + base64.b64encode(png).decode()
-        create_image_artifact(image_url=data_url, key=artifact_key(run, "reward-curve"), description=f"{run}: reward curve")
+        create_image_artifact(
+            image_url=data_url,
+            key=artifact_key(run, "reward-curve"),
+            description=f"{run}: reward curve",
+        )
         md += f"\n\n## Reward curve\n\n![reward curve]({data_url})\n\nAlso at `{store.url}/reports/reward_curve.png`."
-    create_markdown_artifact(markdown=md, key=artifact_key(run, "summary"), description=f"{run}: run summary")
+    create_markdown_artifact(
+        markdown=md, key=artifact_key(run, "summary"), description=f"{run}: run summary"
+    )

@@ -76,8 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run (or continue) an RL training run")
     run.add_argument("config", help="YAML config, e.g. configs/tiny-cpu.yaml")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
-    run.add_argument("--force", action="store_true", help="take over the run's lease from a dead holder")
+    run.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a key"
+    )
+    run.add_argument(
+        "--force", action="store_true", help="take over the run's lease from a dead holder"
+    )
     run.add_argument("--plain", action="store_true", help="plain-Python driver, without Prefect")
     run.set_defaults(fn=_run)
     tiny = sub.add_parser("tiny-model", help="write the tiny model and tokenizer to DIR")
@@ -91,8 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--weight-version", default="0")
-    serve.add_argument("--api-key", default=None, help="admin bearer token (default: $PREFECT_RL_ENGINE_API_KEY)")
-    serve.add_argument("--allowed-root", action="append", default=[], metavar="DIR", help="dir weight reloads may load from (repeatable; the model dir always is)")
+    serve.add_argument(
+        "--api-key", default=None, help="admin bearer token (default: $PREFECT_RL_ENGINE_API_KEY)"
+    )
+    serve.add_argument(
+        "--allowed-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="dir weight reloads may load from (repeatable; the model dir always is)",
+    )
     serve.add_argument("--gpu", action="store_true", help="run on CUDA if available")
     serve.set_defaults(fn=_serve_engine)
     args = parser.parse_args(argv)

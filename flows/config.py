@@ -61,7 +61,9 @@ def _check_code_unchanged(from_file: dict[str, Any], data: dict[str, Any]) -> No
     run: whoever can start a deployment can set them, while the config file is
     the operator's. So they cannot widen the trusted modules, nor name a reward
     outside the builtins that the file does not already name."""
-    if _rollout_value(data, "trusted_reward_modules") != _rollout_value(from_file, "trusted_reward_modules"):
+    if _rollout_value(data, "trusted_reward_modules") != _rollout_value(
+        from_file, "trusted_reward_modules"
+    ):
         raise ConfigError(
             "overrides cannot change rollout.trusted_reward_modules: which code a run may import is "
             "chosen in the config file; put it in the config file"
@@ -86,7 +88,9 @@ def load_config(
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist; pass a YAML file such as configs/tiny-cpu.yaml")
+            raise ConfigError(
+                f"config file {str(p)!r} does not exist; pass a YAML file such as configs/tiny-cpu.yaml"
+            )
         try:
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
@@ -94,7 +98,9 @@ def load_config(
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections at the top")
         source = str(p)
-    items = list(overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or []))
+    items = list(
+        overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
+    )
     from_file = copy.deepcopy(data)
     for key, value in items:
         _set_dotted(data, key, value)

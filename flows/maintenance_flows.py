@@ -27,7 +27,9 @@ class RunRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run_name: str = Field("tiny-cpu", title="Run name", min_length=1, max_length=64)
-    storage_root: str = Field("runs", title="Storage root", description="Path or URL, as in storage.root")
+    storage_root: str = Field(
+        "runs", title="Storage root", description="Path or URL, as in storage.root"
+    )
     s3_endpoint_url: str | None = Field(None, title="S3 endpoint URL (optional)")
 
 
@@ -85,7 +87,10 @@ def _point_and_check(ctx: RunContext, version: int) -> list[dict[str, Any]]:
 # local one). These tasks only call engines; threads of this process suffice.
 
 
-@flow(name="publish-weights", flow_run_name="{params.run_name}:publish-checkpoint[k={params.checkpoint}]")
+@flow(
+    name="publish-weights",
+    flow_run_name="{params.run_name}:publish-checkpoint[k={params.checkpoint}]",
+)
 def publish_weights_flow(params: PublishParams) -> dict[str, Any]:
     ctx = open_run(params, writer=True)
     if params.checkpoint not in ctx.store.committed_checkpoints():
@@ -112,7 +117,9 @@ def verify_engines_flow(params: RunRef) -> list[dict[str, Any]]:
     engines = list(range(ctx.cfg.engines.num_engines))
     missing = [e for e in engines if e not in serving]
     if missing:
-        raise ValueError(f"engines {missing} of run {params.run_name!r} have no recorded version; run reload-engines first")
+        raise ValueError(
+            f"engines {missing} of run {params.run_name!r} have no recorded version; run reload-engines first"
+        )
     checks = [maintenance.check_engine.submit(ctx, serving[e], e) for e in engines]
     return [c.result() for c in checks]
 

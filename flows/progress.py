@@ -28,7 +28,9 @@ def summary(rows: list[dict[str, Any]], store_url: str, versions: list[int], sec
         [
             f"run finished: {len(rows)} iterations in {seconds:.1f}s ({seconds / len(rows):.2f}s/iteration)",
             f"  reward: first {len(head)} mean {sum(head) / len(head):.3f} -> last {len(tail)} mean {sum(tail) / len(tail):.3f}",
-            f"  weights: v{versions[0]}..v{versions[-1]} committed under {store_url}/weights" if versions else "",
+            f"  weights: v{versions[0]}..v{versions[-1]} committed under {store_url}/weights"
+            if versions
+            else "",
             f"  metrics: {store_url}/metrics.jsonl",
         ]
     )

@@ -41,9 +41,19 @@ def summary_markdown(
             f"{first['reward_mean']:.3f} -> {last['reward_mean']:.3f}",
             "",
         ]
-    lines += ["## Versions", "", f"Committed: {', '.join(f'v{v}' for v in versions) or 'none'}  ",
-              f"Location: `{store_url}/weights/v{{k:06d}}`", ""]
-    lines += ["## Seconds per step (total over this flow run)", "", "| step | seconds |", "|---|---|"]
+    lines += [
+        "## Versions",
+        "",
+        f"Committed: {', '.join(f'v{v}' for v in versions) or 'none'}  ",
+        f"Location: `{store_url}/weights/v{{k:06d}}`",
+        "",
+    ]
+    lines += [
+        "## Seconds per step (total over this flow run)",
+        "",
+        "| step | seconds |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {v:.2f} |" for k, v in step_seconds.items()]
     lines += ["", "## Engines", "", "| engine | serves |", "|---|---|"]
     lines += [f"| {e} | v{v} |" for e, v in sorted(serving.items())]

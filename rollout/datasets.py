@@ -62,7 +62,9 @@ def load_jsonl(path: str | Path, input_key: str, label_key: str) -> list[Prompt]
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DatasetError(f"{p}:{lineno}: not valid JSON ({e.msg}); one JSON object per line") from None
+            raise DatasetError(
+                f"{p}:{lineno}: not valid JSON ({e.msg}); one JSON object per line"
+            ) from None
         if not isinstance(row, dict):
             raise DatasetError(f"{p}:{lineno}: expected a JSON object, got {type(row).__name__}")
         for key, what in ((input_key, "rollout.input_key"), (label_key, "rollout.label_key")):
@@ -70,7 +72,9 @@ def load_jsonl(path: str | Path, input_key: str, label_key: str) -> list[Prompt]
                 raise DatasetError(
                     f"{p}:{lineno}: missing key {key!r}; it has {sorted(row)}; set {what} to the right field"
                 )
-        prompts.append(Prompt(index=len(prompts), text=str(row[input_key]), label=str(row[label_key])))
+        prompts.append(
+            Prompt(index=len(prompts), text=str(row[input_key]), label=str(row[label_key]))
+        )
     if not prompts:
         raise DatasetError(f"{p}: the dataset is empty")
     return prompts

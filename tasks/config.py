@@ -27,7 +27,9 @@ class RunSection(BaseModel):
     name: str = Field("tiny-cpu", description="Run name: the folder under storage.root")
     iterations: int = Field(20, ge=0, description="Total RL iterations of the run")
     seed: int = Field(0, ge=0)
-    save_interval: int = Field(5, ge=1, description="Checkpoint every N iterations (and at the end)")
+    save_interval: int = Field(
+        5, ge=1, description="Checkpoint every N iterations (and at the end)"
+    )
 
     @model_validator(mode="after")
     def _check_name(self) -> RunSection:
@@ -82,7 +84,9 @@ class RunConfig(BaseModel):
     weights: WeightsConfig = WeightsConfig()
     ray: RaySection = RaySection()
     tasks: TaskPolicy = TaskPolicy()
-    faults: list[FaultSpec] = Field(default_factory=list, description="Fault injection (tests only)")
+    faults: list[FaultSpec] = Field(
+        default_factory=list, description="Fault injection (tests only)"
+    )
 
     @model_validator(mode="after")
     def _sections_agree(self) -> RunConfig:

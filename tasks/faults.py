@@ -59,7 +59,9 @@ def _fire(ctx, fault: FaultSpec, kill) -> None:
     fs.makedirs(f"{ctx.store.url}/faults", exist_ok=True)
     fs.pipe_file(marker, str(count + 1).encode())
     if fault.kind == "exception":
-        raise InjectedFault(f"injected fault at {step}[k={k}] (attempt {count + 1} of {fault.times})")
+        raise InjectedFault(
+            f"injected fault at {step}[k={k}] (attempt {count + 1} of {fault.times})"
+        )
     if fault.kind == "kill_actor":
         if kill is None:
             raise InjectedFault(f"injected fault at {step}[k={k}]: no actor to kill")

@@ -58,13 +58,16 @@ def base_model_path(cfg: RunConfig) -> str:
 
 def code_version() -> str:
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=Path(__file__).parent,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         return "unknown"
 
@@ -194,4 +197,6 @@ def prepare_run(cfg: RunConfig, force_lease: bool = False) -> RunContext:
 
 
 def config_digest(cfg: RunConfig) -> str:
-    return hashlib.sha256(json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
+    return hashlib.sha256(
+        json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()
+    ).hexdigest()[:12]

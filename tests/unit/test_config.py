@@ -16,7 +16,15 @@ def test_every_shipped_config_loads(path):
 
 
 def test_overrides_apply_with_yaml_types():
-    cfg = load_config(ROOT / "configs/tiny-cpu.yaml", ["run.iterations=3", "storage.root=s3://b/p", "weights.transport=object-store", "engines.num_engines=2"])
+    cfg = load_config(
+        ROOT / "configs/tiny-cpu.yaml",
+        [
+            "run.iterations=3",
+            "storage.root=s3://b/p",
+            "weights.transport=object-store",
+            "engines.num_engines=2",
+        ],
+    )
     assert cfg.run.iterations == 3
     assert cfg.storage.root == "s3://b/p"
     assert cfg.engines.num_engines == 2
@@ -40,7 +48,9 @@ def test_bad_values_are_explained(tmp_path):
     with pytest.raises(ConfigError, match=r"n_samples_per_prompt must be at least 2"):
         load_config(None, ["rollout.n_samples_per_prompt=1"])
     with pytest.raises(ConfigError, match=r"divisible by train.num_workers"):
-        load_config(None, ["rollout.batch_size=3", "rollout.n_samples_per_prompt=3", "train.num_workers=2"])
+        load_config(
+            None, ["rollout.batch_size=3", "rollout.n_samples_per_prompt=3", "train.num_workers=2"]
+        )
     with pytest.raises(ConfigError, match=r"not a valid run name"):
         load_config(None, ["run.name=../escape"])
 
