@@ -22,9 +22,13 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
+        import torch
+
         ray.init(
             address="local",
             num_cpus=8,
+            # Every GPU of the machine, so `pytest -m gpu` runs all its files on this one cluster.
+            num_gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
             include_dashboard=False,
             namespace="prefect-rl",
             log_to_driver=False,

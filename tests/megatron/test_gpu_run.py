@@ -12,23 +12,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 
-@pytest.fixture(scope="module")
-def ray_gpu():
-    import ray
-
-    ray.init(
-        address="local",
-        num_cpus=8,
-        num_gpus=1,
-        include_dashboard=False,
-        namespace="prefect-rl",
-        log_to_driver=False,
-    )
-    yield ray
-    ray.shutdown()
-
-
-def test_tiny_rl_run_with_megatron_backend(ray_gpu, tmp_path):
+def test_tiny_rl_run_with_megatron_backend(ray_cluster, tmp_path):
+    # The session cluster (tests/conftest.py) holds every GPU: a second ray.init in one
+    # `pytest -m gpu` session would fail with "called ray.init twice".
     from flows.config import load_config
     from flows.driver import run_plain
 
