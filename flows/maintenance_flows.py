@@ -61,7 +61,7 @@ def open_run(ref: RunRef, writer: bool) -> RunContext:
     cfg = RunConfig.model_validate(data)
     ctx = RunContext(cfg=cfg, base_model_path=check_run(cfg))
     if writer:
-        ctx = take_lease(ctx)
+        ctx = take_lease(ctx, wait=False)
     connect_ray(cfg)
     return ctx
 

@@ -178,10 +178,12 @@ def check_run(cfg: RunConfig) -> str:
     return path
 
 
-def take_lease(ctx: RunContext, force: bool = False) -> RunContext:
+def take_lease(ctx: RunContext, force: bool = False, wait: bool = True) -> RunContext:
     """Acquire the run's lease; the context carrying its fence, so every store
-    rebuilt from it (in this process or a Ray worker) commits only while it holds."""
-    lease = ctx.store.acquire_lease(ctx.owner, ctx.cfg.storage.lease_ttl_s, force=force)
+    rebuilt from it (in this process or a Ray worker) commits only while it holds.
+    ``wait=False`` refuses at once when a holder may be alive, instead of watching
+    its renewals for a TTL (maintenance flows: an operator wants the answer now)."""
+    lease = ctx.store.acquire_lease(ctx.owner, ctx.cfg.storage.lease_ttl_s, force=force, wait=wait)
     return dataclasses.replace(ctx, fence=lease.fence)
 
 
