@@ -39,7 +39,10 @@ def main() -> None:
     if args.exit_after_start:
         sys.exit(3)
     if args.ignore_sigterm:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # Blocked, not ignored: uvicorn installs its own SIGTERM handler when it serves,
+        # which would replace SIG_IGN; a blocked signal stays pending in every thread
+        # started from here on, whatever handler is installed.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     serve_model(args.model_path, args.host, args.port, args.weight_version, api_key=args.api_key)
 
 
