@@ -26,29 +26,66 @@ def _run(args: argparse.Namespace) -> int:
     except (ConfigError, StorageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from flows.progress import continue_hint
+    from tasks import reaper
+
+    # Before anything starts a process (Prefect's temporary server, a local Ray
+    # cluster): whatever this run starts ends with it, even after a SIGKILL.
+    reaper.guard()
     if args.plain:
         from flows.driver import run_plain
         from flows.progress import summary
 
         ctx, rows, seconds = run_plain(cfg)
         print(summary(rows, ctx.store.url, ctx.store.committed_versions(), seconds))
+        print(continue_hint(args.config, args.set, _committed(cfg), plain=True))
         return 0
     from flows.config import parse_override
-    from flows.rl_training import TrainingParams, rl_training
+    from flows.rl_training import rl_training
 
     overrides = dict(parse_override(item) for item in args.set)
     state = rl_training(
-        TrainingParams(config_path=args.config, overrides=overrides, force_lease=args.force),
+        config_path=args.config,
+        overrides=overrides,
+        force_lease=args.force,
         return_state=True,
     )
-    return 0 if state.is_completed() else 1
+    if not state.is_completed():
+        return 1
+    print(continue_hint(args.config, args.set, _committed(cfg)))
+    return 0
+
+
+def _committed(cfg) -> int:
+    from storage.run_store import RunStore
+
+    return len(RunStore(cfg.storage, cfg.run.name).read_metrics())
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from storage.config import S3Options, StorageConfig
+    from storage.errors import StorageError
+    from storage.runs import list_runs, table
+
+    try:
+        cfg = StorageConfig(root=args.root, s3=S3Options(endpoint_url=args.s3_endpoint_url))
+        print(table(list_runs(cfg)))
+    except (StorageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
-    from training.tiny_model import write_tiny_model
+    if args.shape == "qwen2-0.5b":
+        from training.qwen2_shape import write_qwen2_05b
 
-    out = write_tiny_model(args.dir, seed=args.seed)
-    print(f"wrote the tiny model and tokenizer to {out}")
+        out = write_qwen2_05b(args.dir, seed=args.seed)
+    else:
+        from training.tiny_model import write_tiny_model
+
+        out = write_tiny_model(args.dir, seed=args.seed)
+    print(f"wrote the {args.shape} model (random init) and the tiny tokenizer to {out}")
     return 0
 
 
@@ -87,7 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     tiny = sub.add_parser("tiny-model", help="write the tiny model and tokenizer to DIR")
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--shape",
+        choices=["tiny", "qwen2-0.5b"],
+        default="tiny",
+        help="tiny Llama (default) or Qwen2.5-0.5B's shape (~494M parameters, bf16)",
+    )
     tiny.set_defaults(fn=_tiny_model)
+    runs = sub.add_parser("runs", help="list the runs under a storage root and their state")
+    runs.add_argument("root", nargs="?", default="runs", help="storage.root (default: runs)")
+    runs.add_argument("--s3-endpoint-url", default=None, help="storage.s3.endpoint_url")
+    runs.set_defaults(fn=_runs)
     serve = sub.add_parser(
         "serve-engine", help="serve one embedded engine over SGLang's HTTP API (no Ray)"
     )

@@ -2,25 +2,45 @@
 version, point the engines at a version (e.g. a rollback) and verify, verify
 only, and garbage-collect old versions.
 
-Each takes one pydantic parameters model (a form in the UI). Bad input (an
-unknown run, a version or checkpoint that is not committed) is refused before
-any work starts, with a message that names the fix.
+Each flow's parameters are one pydantic model, exposed as top-level parameters
+(``--param version=3``; ``flows.params.takes``). Every flow run is tagged with
+the run name. The order is always the same:
+
+    validate   the run exists, its config and storage root pass, the version or
+               checkpoint asked for is committed, a Ray cluster at ray.address
+               answers: a refusal names the fix, and nothing has started
+    lease      writers only (verify-engines reads); refused at once while a live
+               holder has it, released however the flow ends
+    Ray        the run's cluster (ray.address) or a new local one (tasks.cluster)
+    work       mapped per engine like the iteration's reload and verify; what was
+               done (published, deleted, kept and why) goes to the flow run's log
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import flow, get_run_logger, unmapped
 from pydantic import BaseModel, ConfigDict, Field
 
 from flows.config import RunConfig
+from flows.params import takes
+from flows.run_tags import tag_flow_run
 from storage.config import S3Options, StorageConfig
 from storage.run_store import RunStore
 from tasks import maintenance
 from tasks.context import RunContext
 from tasks.lease import LeaseKeeper
 from tasks.prepare import check_run, connect_ray, take_lease
+
+LOCAL_ENGINES = (
+    "run {run!r} uses a local Ray cluster (no ray.address): its engines end with the flow "
+    "run that started them. To keep engines alive between flow runs, start a persistent "
+    "cluster (ray start --head --port=6379 --num-cpus=8) and run with "
+    "ray.address=127.0.0.1:6379 (README, Run it from Prefect)"
+)
 
 
 class RunRef(BaseModel):
@@ -45,8 +65,10 @@ class GcParams(RunRef):
     keep_last: int = Field(3, ge=1, le=10000, title="Versions and checkpoints to keep")
 
 
-def open_run(ref: RunRef, writer: bool) -> RunContext:
-    """The RunContext of an existing run, from its run.json; refuses unknown runs."""
+def open_run(ref: RunRef) -> RunContext:
+    """The RunContext of an existing run, from its run.json, checked as a training
+    run is checked (``check_run``); nothing is started and no lease is taken."""
+    tag_flow_run(ref.run_name)
     storage = StorageConfig(root=ref.storage_root, s3=S3Options(endpoint_url=ref.s3_endpoint_url))
     store = RunStore(storage, ref.run_name)
     snapshot = store.read_run_json()
@@ -59,73 +81,136 @@ def open_run(ref: RunRef, writer: bool) -> RunContext:
     if ref.s3_endpoint_url:
         data["storage"].setdefault("s3", {})["endpoint_url"] = ref.s3_endpoint_url
     cfg = RunConfig.model_validate(data)
-    ctx = RunContext(cfg=cfg, base_model_path=check_run(cfg))
-    if writer:
-        ctx = take_lease(ctx, wait=False)
-    connect_ray(cfg)
-    return ctx
+    return RunContext(cfg=cfg, base_model_path=check_run(cfg))
 
 
-def _committed_version(ctx: RunContext, version: int) -> None:
-    versions = ctx.store.committed_versions()
-    if version not in versions:
+@contextmanager
+def writing(ctx: RunContext) -> Iterator[RunContext]:
+    """Hold the run's lease (refused at once if a live holder has it) and its Ray
+    connection; the lease is released however the block ends."""
+    ctx = take_lease(ctx, wait=False)
+    with LeaseKeeper(ctx):  # its exit releases the lease, on success or failure
+        connect_ray(ctx.cfg)
+        yield ctx
+
+
+def require_committed(ctx: RunContext, what: str, k: int, committed: list[int]) -> None:
+    if k not in committed:
         raise ValueError(
-            f"version {version} of run {ctx.run_name!r} is not committed; committed: {versions}"
+            f"{what} {k} of run {ctx.run_name!r} is not committed; committed: {committed}"
         )
 
 
-def _point_and_check(ctx: RunContext, version: int) -> list[dict[str, Any]]:
-    engines = list(range(ctx.cfg.engines.num_engines))
-    points = maintenance.point_engine.map(unmapped(ctx), version, engines)
-    checks = maintenance.check_engine.map(unmapped(ctx), version, engines, upstream=points)
-    return [c.result() for c in checks]
-
-
-# No RayTaskRunner here: entered before the flow body, it would start (or join)
-# a Ray cluster of its own choosing, listening on all interfaces, before
-# open_run connects to the run's cluster (its ray.address, or a loopback-only
-# local one). These tasks only call engines; threads of this process suffice.
+def engine_ids(ctx: RunContext) -> list[int]:
+    return list(range(ctx.cfg.engines.num_engines))
 
 
 @flow(
     name="publish-weights",
-    flow_run_name="{params.run_name}:publish-checkpoint[k={params.checkpoint}]",
+    flow_run_name="{run_name}:publish-checkpoint[k={checkpoint}]",
 )
+@takes(PublishParams)
 def publish_weights_flow(params: PublishParams) -> dict[str, Any]:
-    ctx = open_run(params, writer=True)
-    if params.checkpoint not in ctx.store.committed_checkpoints():
-        raise ValueError(
-            f"checkpoint {params.checkpoint} of run {params.run_name!r} is not committed; "
-            f"committed: {ctx.store.committed_checkpoints()}"
+    log = get_run_logger()
+    ctx = open_run(params)
+    k = params.checkpoint
+    if k in ctx.store.committed_versions():
+        log.info(
+            "v%d of run %r is already published (%s); nothing to do",
+            k,
+            ctx.run_name,
+            ctx.store.version_url(k),
         )
-    with LeaseKeeper(ctx):
-        return maintenance.publish_checkpoint(ctx, params.checkpoint)
+        return {"version": k, "url": ctx.store.version_url(k), "published": False}
+    require_committed(ctx, "checkpoint", k, ctx.store.committed_checkpoints())
+    with writing(ctx) as ctx:
+        out = maintenance.publish_checkpoint(ctx, k)
+    log.info(
+        "published checkpoint %d of run %r as v%d: %s (%d files)",
+        k,
+        ctx.run_name,
+        k,
+        out["url"],
+        out["files"],
+    )
+    return out
 
 
-@flow(name="reload-engines", flow_run_name="{params.run_name}:reload[v={params.version}]")
+@flow(name="reload-engines", flow_run_name="{run_name}:reload[v={version}]")
+@takes(ReloadParams)
 def reload_engines_flow(params: ReloadParams) -> list[dict[str, Any]]:
-    ctx = open_run(params, writer=True)
-    _committed_version(ctx, params.version)
-    with LeaseKeeper(ctx):
-        return _point_and_check(ctx, params.version)
+    log = get_run_logger()
+    ctx = open_run(params)
+    v = params.version
+    require_committed(ctx, "version", v, ctx.store.committed_versions())
+    before = ctx.store.serving_versions()
+    with writing(ctx) as ctx:
+        engines = engine_ids(ctx)
+        points = maintenance.point_engine.map(unmapped(ctx), v, engines)
+        checks = maintenance.check_engine.map(unmapped(ctx), v, engines, upstream=points)
+        results = [c.result() for c in checks]
+    for e in engines:
+        log.info("engine %d of run %r serves v%d (was %s)", e, ctx.run_name, v, _v(before.get(e)))
+    if ctx.cfg.ray.address is None:
+        log.warning(
+            "%s; the next training run starts its engines on the newest committed version",
+            LOCAL_ENGINES.format(run=ctx.run_name),
+        )
+    return results
 
 
-@flow(name="verify-engines", flow_run_name="{params.run_name}:verify")
+@flow(name="verify-engines", flow_run_name="{run_name}:verify")
+@takes(RunRef)
 def verify_engines_flow(params: RunRef) -> list[dict[str, Any]]:
-    ctx = open_run(params, writer=False)
+    log = get_run_logger()
+    ctx = open_run(params)
     serving = ctx.store.serving_versions()
-    engines = list(range(ctx.cfg.engines.num_engines))
-    missing = [e for e in engines if e not in serving]
+    missing = [e for e in engine_ids(ctx) if e not in serving]
     if missing:
         raise ValueError(
-            f"engines {missing} of run {params.run_name!r} have no recorded version; run reload-engines first"
+            f"engines {missing} of run {params.run_name!r} have no recorded version; "
+            "run reload-engines first"
         )
-    checks = [maintenance.check_engine.submit(ctx, serving[e], e) for e in engines]
-    return [c.result() for c in checks]
+    # Read-only: no lease. The check writes nothing (no audit record without a lease).
+    connect_ray(ctx.cfg)
+    if ctx.cfg.ray.address is None:
+        log.warning(
+            "%s. No engine was live: starting each on its recorded version to verify that "
+            "it loads and serves it",
+            LOCAL_ENGINES.format(run=ctx.run_name),
+        )
+        started = [maintenance.start_engine.submit(ctx, serving[e], e) for e in engine_ids(ctx)]
+        [s.result() for s in started]
+    checks = [maintenance.check_engine.submit(ctx, serving[e], e) for e in engine_ids(ctx)]
+    results = [c.result() for c in checks]
+    for e in engine_ids(ctx):
+        log.info("engine %d of run %r serves v%d, as recorded", e, ctx.run_name, serving[e])
+    return results
 
 
-@flow(name="gc-versions", flow_run_name="{params.run_name}:gc[keep={params.keep_last}]")
+@flow(name="gc-versions", flow_run_name="{run_name}:gc[keep={keep_last}]")
+@takes(GcParams)
 def gc_versions_flow(params: GcParams) -> dict[str, Any]:
-    ctx = open_run(params, writer=True)
-    with LeaseKeeper(ctx):
-        return maintenance.collect_garbage(ctx, params.keep_last)
+    log = get_run_logger()
+    ctx = open_run(params)
+    with writing(ctx) as ctx:
+        report = maintenance.collect_garbage(ctx, params.keep_last)
+    log.info(
+        "run %r, keep_last=%d: deleted versions %s and checkpoints %s; kept versions %s and "
+        "checkpoints %s",
+        ctx.run_name,
+        params.keep_last,
+        report["deleted_versions"],
+        report["deleted_checkpoints"],
+        report["kept_versions"],
+        report["kept_checkpoints"],
+    )
+    for v, why in sorted(report["protected"].items()):
+        log.info("kept v%s beyond keep_last: %s", v, why)
+    if report["removed_debris"]:
+        log.info("removed unfinished writes: %s", report["removed_debris"])
+    return report
+
+
+def _v(version: int | None) -> str:
+    return "nothing recorded" if version is None else f"v{version}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 
@@ -21,7 +22,8 @@ def iteration_line(row: dict[str, Any], total: int) -> str:
 
 def summary(rows: list[dict[str, Any]], store_url: str, versions: list[int], seconds: float) -> str:
     if not rows:
-        return f"nothing to do: run at {store_url} is complete ({len(versions)} versions committed)"
+        newest = f", newest version v{versions[-1]}" if versions else ""
+        return f"nothing to do: run at {store_url} is complete ({len(versions)} versions committed{newest})"
     rewards = [r["reward_mean"] for r in rows]
     head, tail = rewards[:5], rewards[-5:]
     return "\n".join(
@@ -33,4 +35,18 @@ def summary(rows: list[dict[str, Any]], store_url: str, versions: list[int], sec
             else "",
             f"  metrics: {store_url}/metrics.jsonl",
         ]
+    )
+
+
+def continue_hint(config: str, sets: list[str], committed: int, plain: bool = False) -> str:
+    """How to continue the run past its ``committed`` iterations: the same command
+    with run.iterations raised (the user's other --set kept), or the deployment."""
+    kept = [s for s in sets if not s.replace(" ", "").startswith("run.iterations=")]
+    more = committed + 10
+    args = "".join(f" --set {shlex.quote(s)}" for s in kept) + f" --set run.iterations={more}"
+    flag = " --plain" if plain else ""
+    return (
+        f"{committed} iterations committed. To continue to {more}: "
+        f"prefect-rl run {config}{args}{flag} "
+        "(from Prefect: prefect deployment run 'rl-training/tiny-cpu' --param extra_iterations=10)"
     )

@@ -1,6 +1,6 @@
-"""Prefect tasks of the maintenance flows: point one engine at a version, check
-one engine, publish a checkpoint, collect garbage. Mapped per engine like the
-iteration's reload and verify."""
+"""Prefect tasks of the maintenance flows: point one engine at a version, start
+one on a version, check one engine, publish a checkpoint, collect garbage.
+Mapped per engine like the iteration's reload and verify."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RunContext
-from tasks.engines import ensure_engine_serves
+from tasks.engines import ensure_engine_serves, version_path
 from tasks.verify import check_serves
 
 
@@ -24,6 +24,18 @@ from tasks.verify import check_serves
 def point_engine(ctx: RunContext, version: int, engine_id: int) -> dict[str, Any]:
     ensure_engine_serves(ctx, ctx.engines(), engine_id, version, force_reload=True)
     return {"engine": engine_id, "version": version}
+
+
+@task(
+    name="start_engine",
+    task_run_name="{ctx.run_name}:start[engine={engine_id},v={version}]",
+    cache_policy=NO_CACHE,
+)
+def start_engine(ctx: RunContext, version: int, engine_id: int) -> dict[str, Any]:
+    """Start engine ``engine_id`` on ``version`` (read-only: no serving record written)."""
+    group = ctx.engines()
+    group.restart(engine_id, version_path(ctx, version), version)
+    return {"engine": engine_id, "version": version, "started": True}
 
 
 @task(
@@ -63,7 +75,12 @@ def publish_checkpoint(ctx: RunContext, k: int) -> dict[str, Any]:
     for warning in warnings:  # a corrupt checkpoint skipped: shown in the task run's log
         get_run_logger().warning("publish_checkpoint: %s", warning)
     manifest = store.read_manifest(k)
-    out = {"version": k, "url": store.version_url(k), "files": len(manifest.files)}
+    out = {
+        "version": k,
+        "url": store.version_url(k),
+        "files": len(manifest.files),
+        "published": True,
+    }
     return {**out, "warnings": warnings} if warnings else out
 
 

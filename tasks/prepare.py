@@ -1,4 +1,5 @@
-"""Preparing a run: base model, lease, run.json, v0 and the Ray connection.
+"""Preparing a run: base model, lease, run.json, v0 and the Ray connection
+(``tasks.cluster``: the configured address or a local cluster, nothing else).
 
 Called once at the start of ``rl_training`` (and by the plain driver). It is
 idempotent: on a resumed run it checks what exists instead of rewriting it.
@@ -15,10 +16,11 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
-import ray
-
+from tasks.cluster import check_address, connect_ray, start_local_ray
 from tasks.config import ConfigError, RunConfig
 from tasks.context import RunContext
+
+__all__ = ["check_run", "connect_ray", "prepare_run", "start_local_ray", "take_lease"]
 
 log = logging.getLogger("prefect_rl.prepare")
 
@@ -120,54 +122,10 @@ def publish_base(ctx: RunContext) -> None:
     writer.commit()
 
 
-def connect_ray(cfg: RunConfig) -> None:
-    if ray.is_initialized():
-        return
-    kwargs = {"namespace": cfg.ray.namespace, "include_dashboard": False, "log_to_driver": False}
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, **kwargs)
-        return
-    # A local cluster. Logical CPUs: actors reserve their bundles, and the Prefect
-    # tasks running as Ray tasks need room beside them on a 2-core machine.
-    need = (
-        cfg.engines.num_engines * cfg.engines.tp_size * cfg.engines.num_cpus_per_engine
-        + cfg.train.num_workers * cfg.train.num_cpus_per_worker
-    )
-    start_local_ray(cfg.ray.num_cpus or int(need) + 4, cfg.ray.namespace)
-
-
-def start_local_ray(num_cpus: int, namespace: str) -> None:
-    """Start this process's own Ray cluster, listening on loopback only.
-
-    Its auth is off (the CLI sets RAY_AUTH_MODE=disabled for it), so nothing
-    but this machine may reach it. Ray 2.60 turns ``_node_ip_address="127.0.0.1"``
-    into the host's routable IP and then binds GCS, raylet and workers on all
-    interfaces, unless ``ENABLE_RAY_CLUSTER`` is off (its macOS/Windows mode):
-    with it off the node IP stays 127.0.0.1 and every server binds loopback.
-    Once the node exists Ray reads the IP from it, so the switch is restored.
-    ``tests/integration/test_security.py`` checks the real sockets.
-    """
-    from ray._private import ray_constants
-
-    saved = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        # address="local": never join a cluster someone else started on this machine.
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            namespace=namespace,
-            include_dashboard=False,
-            log_to_driver=False,
-            _node_ip_address="127.0.0.1",
-        )
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
-
-
 def check_run(cfg: RunConfig) -> str:
     """Everything that can be checked before any state is written: the storage
-    root, the frozen settings of a continued run, the base model. (The config
+    root, the frozen settings of a continued run, the base model, a Ray cluster
+    at ``ray.address`` answering. (The config
     schema and the reward were checked when ``cfg`` was loaded.) Returns the
     base model path. Raises ConfigError or StorageError naming the fix."""
     from storage.fs import check_root
@@ -175,6 +133,8 @@ def check_run(cfg: RunConfig) -> str:
     check_root(cfg.storage)  # credentials in the URL, a file, not writable, a missing bucket
     path = base_model_path(cfg)
     check_frozen(RunContext(cfg=cfg, base_model_path=path))
+    if cfg.ray.address is not None:
+        check_address(cfg.ray.address)  # a dead cluster fails in seconds, before any lease
     return path
 
 
@@ -192,9 +152,14 @@ def prepare_run(cfg: RunConfig, force_lease: bool = False) -> RunContext:
     # (a run.json written before a refusal would freeze the refused settings).
     ctx = RunContext(cfg=cfg, base_model_path=check_run(cfg))
     ctx = take_lease(ctx, force=force_lease)
-    check_or_write_run_json(ctx)
-    publish_base(ctx)
-    connect_ray(cfg)
+    try:
+        check_or_write_run_json(ctx)
+        publish_base(ctx)
+        connect_ray(cfg)
+    except BaseException:
+        # The run never started: the next one (or a maintenance flow) may write at once.
+        ctx.store.release_lease(ctx.owner)
+        raise
     return ctx
 
 

@@ -328,7 +328,7 @@ def test_a_trusted_reward_from_the_config_file_scores_the_rollouts(
 def test_a_maintenance_flow_refuses_a_live_holder_at_once(ray_cluster, tmp_path):
     # The operator asks reload-engines while another writer holds the run: the answer is
     # a refusal naming the holder now, not after watching its renewals for a whole TTL.
-    from flows.maintenance_flows import RunRef, open_run
+    from flows.maintenance_flows import RunRef, open_run, writing
     from storage.errors import LeaseHeldError
     from tasks.prepare import check_run, prepare_run
 
@@ -339,6 +339,7 @@ def test_a_maintenance_flow_refuses_a_live_holder_at_once(ray_cluster, tmp_path)
     ctx.store.acquire_lease("other-host:1", 30)
     ref = RunRef(run_name="held", storage_root=cfg.storage.root)
     with pytest.raises(LeaseHeldError, match="other-host:1"):
-        open_run(ref, writer=True)
+        with writing(open_run(ref)):
+            pass
     # Waiting would have ended in a takeover (the holder never renews); refusing leaves it.
     assert ctx.store.read_lease().owner == "other-host:1"

@@ -1,0 +1,144 @@
+"""The one way every flow connects to Ray: the configured ``ray.address``, or a
+new local cluster of this process. Never Ray's ``"auto"``: that joins whatever
+cluster Ray's current-cluster file names, and a cluster killed without
+``ray stop`` leaves that file behind, so a flow would wait minutes on a dead
+address ("Failed to connect to GCS").
+
+A configured address is checked before ``ray.init``: nothing answering there
+fails within seconds with the address in the message, and a cluster with fewer
+CPUs than the run's actors reserve fails at once instead of leaving a placement
+group pending forever. No Prefect here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import ray
+
+from tasks.config import ConfigError, RunConfig
+
+log = logging.getLogger("prefect_rl.cluster")
+
+CONNECT_TIMEOUT_S = 5.0  # a live GCS answers a TCP connect at once
+# The local cluster's logical CPUs beyond the actors' bundles: Prefect tasks
+# running as Ray tasks (RayTaskRunner) need room beside them on a 2-core machine.
+LOCAL_SPARE_CPUS = 4
+
+
+def actor_cpus(cfg: RunConfig) -> float:
+    """The Ray CPUs the run's engines and train ranks reserve together."""
+    e, t = cfg.engines, cfg.train
+    return e.num_engines * e.tp_size * e.num_cpus_per_engine + t.num_workers * t.num_cpus_per_worker
+
+
+def gcs_endpoint(address: str) -> tuple[str, int]:
+    """``(host, port)`` of ``ray.address``; ConfigError for an address that is not one."""
+    if address in ("auto", "local"):
+        raise ConfigError(
+            f"ray.address {address!r} is not an address: 'auto' joins whatever cluster a "
+            "(possibly stale) file names. Give the head's host:port, e.g. "
+            "ray.address=127.0.0.1:6379, or leave ray.address unset for a local cluster"
+        )
+    rest = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = rest.rstrip("/").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(
+            f"ray.address {address!r} is not host:port (e.g. 127.0.0.1:6379, the address "
+            "`ray start --head` prints)"
+        )
+    return host.strip("[]"), int(port)
+
+
+def check_address(address: str) -> None:
+    """Raise ConfigError within seconds when nothing listens at ``address``."""
+    host, port = gcs_endpoint(address)
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"no Ray cluster answers at ray.address {address} ({e}); start one there "
+            f"(ray start --head --port={port} --num-cpus=8) or leave ray.address unset to "
+            "start a local cluster for this run"
+        ) from None
+
+
+def connect_ray(cfg: RunConfig) -> None:
+    """Join ``cfg.ray.address`` or start this process's own local cluster (see module doc)."""
+    if ray.is_initialized():
+        return
+    if cfg.ray.address is None:
+        start_local_ray(
+            cfg.ray.num_cpus or int(actor_cpus(cfg)) + LOCAL_SPARE_CPUS, cfg.ray.namespace
+        )
+        return
+    address = cfg.ray.address
+    check_address(address)
+    try:
+        ray.init(
+            address=address,
+            namespace=cfg.ray.namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+    except Exception as e:  # auth, version mismatch: say which cluster and what to check
+        raise ConnectionError(
+            f"could not join the Ray cluster at ray.address {address}: {type(e).__name__}: {e}; "
+            "a cluster started by `ray start --head` uses token auth (Ray 2.60's default): give "
+            "this process its token (~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN) "
+            "and do not export RAY_AUTH_MODE=disabled (README, Security)"
+        ) from None
+    check_cpus(cfg, address)
+
+
+def check_cpus(cfg: RunConfig, address: str) -> None:
+    """Refuse a cluster too small for the run's actors: their placement groups
+    would stay pending (``Pending Demands``) and the run would wait silently."""
+    need, have = actor_cpus(cfg), ray.cluster_resources().get("CPU", 0.0)
+    if have < need:
+        ray.shutdown()
+        raise ConfigError(
+            f"the Ray cluster at {address} has {have:g} CPUs but the run's engines and train "
+            f"ranks reserve {need:g}; start its head with more logical CPUs "
+            f"(ray start --head --num-cpus={int(need) + LOCAL_SPARE_CPUS}), or lower "
+            "engines.num_cpus_per_engine / train.num_cpus_per_worker"
+        )
+
+
+def start_local_ray(num_cpus: int, namespace: str) -> None:
+    """Start this process's own Ray cluster, listening on loopback only.
+
+    Its auth is off (RAY_AUTH_MODE=disabled unless the user exported a mode),
+    so nothing but this machine may reach it. Ray 2.60 turns
+    ``_node_ip_address="127.0.0.1"`` into the host's routable IP and then binds
+    GCS, raylet and workers on all interfaces, unless ``ENABLE_RAY_CLUSTER`` is
+    off (its macOS/Windows mode): with it off the node IP stays 127.0.0.1 and
+    every server binds loopback. Once the node exists Ray reads the IP from it,
+    so the switch is restored. ``tests/integration/test_security.py`` checks the
+    real sockets. The cluster's processes end with this one (``tasks.reaper``).
+    """
+    from ray._private import ray_constants
+
+    from tasks import reaper
+
+    # Unset, Ray 2.60 turns token auth on for a new local cluster and writes a
+    # token to ~/.ray; a loopback-only cluster of one process needs neither.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    reaper.guard()  # before Ray spawns anything: its processes carry this process's mark
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        # address="local": never join a cluster someone else started on this machine.
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            namespace=namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
