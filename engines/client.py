@@ -8,6 +8,11 @@ only failures where the request cannot have run: connection errors and 502,
 503 and 504 replies; a read timeout is never retried (a generation may be
 running). The weight version is read from ``/model_info`` (newer SGLang
 removed ``/get_weight_version``).
+
+``deadline_s`` bounds each call as a whole (retries and their backoff
+included; the step's deadline, ``tasks.timeout_s``): past it the call raises
+``TimeoutError`` naming the engine's URL and the endpoint, and so does a reply
+slower than the read timeout.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import httpx
 
 RETRY_STATUS = (502, 503, 504)
+DEADLINE = "the step's deadline, tasks.timeout_s"
 
 
 class EngineHTTPError(RuntimeError):
@@ -56,11 +62,14 @@ class EngineClient:
         connect_timeout_s: float = 5.0,
         retries: int = 3,
         backoff_s: float = 0.5,
+        deadline_s: float | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
         self.retries = retries
         self.backoff_s = backoff_s
+        self.timeout_s = timeout_s
+        self.deadline_s = deadline_s
         self._http = httpx.Client(
             base_url=self.base_url,
             headers=headers,
@@ -79,21 +88,45 @@ class EngineClient:
     # ---- transport --------------------------------------------------------
 
     def request(self, method: str, path: str, json: Any = None) -> httpx.Response:
-        """Send with bounded retries on transient errors; raise EngineHTTPError on a 4xx/5xx."""
+        """Send with bounded retries on transient errors; raise EngineHTTPError on a 4xx/5xx,
+        TimeoutError past the read timeout or ``deadline_s``."""
+        end = None if self.deadline_s is None else time.monotonic() + self.deadline_s
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
+            kwargs: dict[str, Any] = {}
+            if end is not None:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise self._timeout(method, path, self.deadline_s, DEADLINE)
+                # httpx times each read, not the whole call: cap it by what is left
+                kwargs["timeout"] = httpx.Timeout(min(self.timeout_s, left), connect=min(5.0, left))
             try:
-                resp = self._http.request(method, path, json=json)
+                resp = self._http.request(method, path, json=json, **kwargs)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
                 if last:
                     raise EngineHTTPError(0, f"unreachable: {e}", path) from e
+            except httpx.TimeoutException:  # never retried: the request may be running
+                if end is not None and self.deadline_s <= self.timeout_s:
+                    raise self._timeout(method, path, self.deadline_s, DEADLINE) from None
+                raise self._timeout(
+                    method, path, self.timeout_s, "the client's read timeout"
+                ) from None
             else:
                 if resp.status_code not in RETRY_STATUS or last:
                     if resp.status_code >= 400:
                         raise EngineHTTPError(resp.status_code, _message(resp), path)
                     return resp
-            time.sleep(self.backoff_s * 2**attempt)
+            pause = self.backoff_s * 2**attempt
+            if end is not None:
+                pause = min(pause, max(0.0, end - time.monotonic()))
+            time.sleep(pause)
         raise AssertionError("unreachable")
+
+    def _timeout(self, method: str, path: str, seconds: float, why: str) -> TimeoutError:
+        return TimeoutError(
+            f"engine at {self.base_url}: {method} {path} did not answer within {seconds:g}s "
+            f"({why}); the engine may be paused or stuck: check its /health_generate"
+        )
 
     def _json(self, method: str, path: str, body: Any = None) -> Any:
         resp = self.request(method, path, body)

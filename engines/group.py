@@ -20,6 +20,10 @@ are regenerated whole, so a group never mixes versions.
 
 It never decides which version should be served: the caller (the reload and
 verify tasks) does; a restart defaults to the version a live peer reports.
+
+Every wait on an engine ends by ``call_timeout_s`` (the step's deadline, given
+by the group's owner): a paused or stuck engine fails the call with a
+``CallTimeout`` naming the engine and the call (``engines.deadline``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engines import deadline
 from engines.client import EngineClient
 from engines.config import EngineConfig
 from engines.embedded import GENERATE_CONCURRENCY, EngineDeadError, actor_class
@@ -57,11 +62,13 @@ class EngineGroup:
         cfg: EngineConfig,
         namespace: str = "prefect-rl",
         placement: SharedPlacement | None = None,
+        call_timeout_s: float | None = None,
     ) -> None:
         self.run_name = run_name
         self.cfg = cfg
         self.namespace = namespace
         self.placement = placement  # colocated: the shared group the engines sit in
+        self.call_timeout_s = call_timeout_s  # deadline of each wait on engines; None: none
         # What start() was given: the fallback for restarts when no peer is alive.
         self.model_path: str | None = None
         self.weight_version: int = 0
@@ -85,7 +92,9 @@ class EngineGroup:
         for i in range(self.cfg.num_engines):
             h = self.handle(i)
             handles.append(h if h is not None else self._create(i, model_path, weight_version))
-        ray.get([h.get_weight_version.remote() for h in handles])
+        names = [self.actor_name(i) for i in range(self.cfg.num_engines)]
+        refs = [h.get_weight_version.remote() for h in handles]
+        deadline.get(refs, self.call_timeout_s, "start (load the model)", names)
 
     def handle(self, i: int) -> ActorHandle | None:
         """The engine's actor handle, or None if it does not exist (or died)."""
@@ -115,7 +124,9 @@ class EngineGroup:
         self._kill(i)
         log.warning("restarting %s at version %s", self.actor_name(i), weight_version)
         h = self._create(i, model_path, weight_version)
-        ray.get(h.get_weight_version.remote())
+        deadline.get(
+            h.get_weight_version.remote(), self.call_timeout_s, "restart", self.actor_name(i)
+        )
         return h
 
     def shutdown(self) -> None:
@@ -242,22 +253,28 @@ class EngineGroup:
         urls = {}
         for i, h in self.handles().items():
             if self.cfg.kind == "sglang":
-                urls[i] = ray.get(h.http_url.remote())
+                ref, call = h.http_url.remote(), "http_url"
             else:
                 p = port + i if port else 0
-                urls[i] = ray.get(h.start_http.remote(host, p, allowed_roots))
+                ref, call = h.start_http.remote(host, p, allowed_roots), "start_http"
+            urls[i] = deadline.get(ref, self.call_timeout_s, call, self.actor_name(i))
         return urls
 
     def urls(self) -> dict[int, str]:
         """URLs of the engines that serve HTTP now, by index."""
-        found = {i: ray.get(h.http_url.remote()) for i, h in self.handles().items()}
+        handles = self.handles()
+        names = [self.actor_name(i) for i in handles]
+        refs = [h.http_url.remote() for h in handles.values()]
+        found = dict(zip(handles, deadline.get(refs, self.call_timeout_s, "http_url", names)))
         return {i: u for i, u in found.items() if u}
 
     def client(self, i: int, **kwargs: Any) -> EngineClient:
-        """An HTTP client of engine i, with the admin token from ``engines.api_key_env``."""
+        """An HTTP client of engine i, with the admin token from ``engines.api_key_env``
+        and the group's deadline on every request."""
         url = self.urls().get(i)
         if url is None:
             raise RuntimeError(f"{self.actor_name(i)} serves no HTTP: call start_http() first")
+        kwargs.setdefault("deadline_s", self.call_timeout_s)
         return EngineClient(url, api_key=os.environ.get(self.cfg.api_key_env) or None, **kwargs)
 
     # ---- rollout ----------------------------------------------------------
@@ -278,6 +295,8 @@ class EngineGroup:
         GENERATE_CONCURRENCY calls per engine at a time. A dead engine is
         restarted (``restart_fn(i)``, default: the version a live peer serves)
         at most ``max_restarts`` times, and its groups are regenerated whole.
+        The whole call ends by ``call_timeout_s``: CallTimeout names the engines
+        whose answers are missing.
         """
         if len(seeds) != len(prompts) or any(len(s) != n for s in seeds):
             raise ValueError("seeds must hold n seeds for each prompt")
@@ -292,6 +311,7 @@ class EngineGroup:
         inflight: dict[ray.ObjectRef, tuple[int, int, int]] = {}  # ref -> (group, engine, gen)
         pending = deque(range(len(prompts)))
         results: list[list[GenerateResult] | None] = [None] * len(prompts)
+        clock = deadline.Deadline(self.call_timeout_s)
 
         while pending or inflight:
             while pending:
@@ -305,7 +325,11 @@ class EngineGroup:
                 inflight[ref] = (g, i, generation[i])
                 outstanding[i] += n
                 calls[i] += 1
-            [ref], _ = ray.wait(list(inflight), num_returns=1)
+            done, _ = ray.wait(list(inflight), num_returns=1, timeout=clock.remaining())
+            if not done:  # the deadline passed with every call still waiting
+                waiting = [self.actor_name(e) for _, e, _ in inflight.values()]
+                raise clock.expired(waiting, f"generate ({len(inflight)} prompt groups waiting)")
+            ref = done[0]
             g, i, gen = inflight.pop(ref)
             outstanding[i] -= n
             calls[i] -= 1

@@ -7,6 +7,8 @@ named actors ``{run}/train/{rank}`` in the run's Ray namespace, and
 ``ensure_state(k)``, the recovery primitive. Holds only names and config, so
 it pickles into any task; handles are looked up by name on every call. Never
 generates rollouts (replay uses the persisted ones) and never imports Prefect.
+Every wait on the ranks ends by ``call_timeout_s`` (the step's deadline, given
+by the group's owner) with a ``CallTimeout`` naming the ranks and the call.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ray._raylet import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engines import deadline
 from engines.placement import SharedPlacement
 from training.actor import TrainActor
 from training.config import RunIdentity, TrainerSections
@@ -58,6 +61,7 @@ class TrainGroup:
         *,
         placement: SharedPlacement | None,
         fence: int | None,
+        call_timeout_s: float | None = None,
     ) -> None:
         """``placement`` is required (None when disaggregated) so a colocated caller
         cannot forget it and have the ranks take devices of their own. ``fence`` is
@@ -68,6 +72,7 @@ class TrainGroup:
         self.train_cfg, self.storage_cfg = sections.train, sections.storage
         self.placement = placement  # colocated: the shared group the ranks sit in
         self.fence = fence  # passed with each commit: detached ranks may outlive a writer
+        self.call_timeout_s = call_timeout_s  # deadline of each wait on the ranks; None: none
 
     @property
     def world_size(self) -> int:
@@ -86,10 +91,11 @@ class TrainGroup:
         self.release()
         cfg = self.train_cfg
         pg = self._placement_group()
-        addr, port = ray.get(
+        addr, port = self._get(
             _master_endpoint.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, self._bundle(0))
-            ).remote()
+            ).remote(),
+            "find rank 0's address",
         )
         remote_cls = ray.remote(actor_class(cfg.backend))
         actors = [
@@ -104,8 +110,8 @@ class TrainGroup:
             ).remote(self.identity, self.sections, rank, addr, port)
             for rank in range(self.world_size)
         ]
-        ray.get([a.setup.remote() for a in actors])
-        ray.get([a.init_from_base.remote(base_model_path) for a in actors])
+        self._get([a.setup.remote() for a in actors], "setup")
+        self._get([a.init_from_base.remote(base_model_path) for a in actors], "init_from_base")
 
     def _placement_group(self) -> PlacementGroup:
         """The shared group when colocated, else a fresh ``{run}/train-pg``."""
@@ -220,7 +226,7 @@ class TrainGroup:
         self.create(base_model_path)
         c, skipped = self._restore_point(k)
         if c > 0:
-            ray.get([a.load_checkpoint.remote(c) for a in self.actors()])
+            self._get([a.load_checkpoint.remote(c) for a in self.actors()], f"load_checkpoint({c})")
         replayed = []
         for j in range(c + 1, k + 1):
             self.train(j)
@@ -255,15 +261,24 @@ class TrainGroup:
     # -- steps -------------------------------------------------------------
     def train(self, k: int) -> dict[str, float]:
         """One step on every rank over rollouts k; rank 0's metrics (already all-reduced)."""
-        return ray.get([a.train_step.remote(k) for a in self.actors()])[0]
+        return self._get([a.train_step.remote(k) for a in self.actors()], f"train_step({k})")[0]
 
     def save(self, k: int, meta_extra: dict | None = None) -> dict:
         refs = [a.save_checkpoint.remote(k, meta_extra, self.fence) for a in self.actors()]
-        return ray.get(refs)[0]
+        return self._get(refs, f"save_checkpoint({k})")[0]
 
     def export_hf(self, version: int, iteration: int, parent: int | None) -> dict:
         refs = [a.export_hf.remote(version, iteration, parent, self.fence) for a in self.actors()]
-        return ray.get(refs)[0]
+        return self._get(refs, f"export_hf(v{version})")[0]
+
+    def _get(self, refs: Any, call: str) -> Any:
+        """``ray.get`` of one call on the ranks (a list: one ref per rank) by the deadline."""
+        names = (
+            [self.actor_name(r) for r in range(len(refs))]
+            if isinstance(refs, list)
+            else f"{self.run_name}/train"
+        )
+        return deadline.get(refs, self.call_timeout_s, call, names)
 
     def push_weights(
         self,
@@ -280,7 +295,7 @@ class TrainGroup:
             a.push_weights.remote(engine, transport, bucket, flush_cache, group_name)
             for a in self.actors()
         ]
-        return ray.get(refs)[0]
+        return self._get(refs, f"push_weights({transport})")[0]
 
     def offload(self) -> list[dict[str, Any]]:
         """Every rank sleeps (frees its device for colocated engines); per-rank reports."""
