@@ -1,7 +1,9 @@
 """Weight transports: seconds per update and GB/s of ``tensor`` (shared memory /
 CUDA IPC), ``distributed`` (gloo / NCCL broadcast) and ``disk`` (export +
 update_weights_from_disk), against memcpy (CPU) or a device copy (GPU) of the
-same bytes, measured in the same run.
+same bytes, measured in the same run. The ``tensor`` rows are the resident path
+(staging buffer registered once, handles cached by the engine) after two warm-up
+pushes; ``first s`` is the first push (it streams and learns the layout).
 
 One train actor and one embedded engine actor on the local Ray cluster hold a
 Llama model of about ``--size-mb`` MB (float32; bf16 with --dtype bfloat16).
@@ -24,7 +26,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 def write_model(out: Path, size_mb: int, dtype: str) -> Path:
-    """An HF Llama dir of about size_mb MB: 1024-wide layers (~50 MB each in fp32)."""
+    """An HF Llama dir of about size_mb MB: 1024-wide layers (~50 MB each in fp32),
+    256-wide ones (~3 MB) below 100 MB."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -33,8 +36,9 @@ def write_model(out: Path, size_mb: int, dtype: str) -> Path:
     tok = build_tokenizer()
     cfg = tiny_llama_config(len(tok))
     bytes_per = 2 if dtype == "bfloat16" else 4
-    per_layer = (4 * 1024 * 1024 + 3 * 1024 * 2816) * bytes_per
-    cfg.hidden_size, cfg.intermediate_size = 1024, 2816
+    hidden, ffn = (1024, 2816) if size_mb >= 100 else (256, 704)  # small sizes: narrow layers
+    per_layer = (4 * hidden * hidden + 3 * hidden * ffn) * bytes_per
+    cfg.hidden_size, cfg.intermediate_size = hidden, ffn
     cfg.num_attention_heads = cfg.num_key_value_heads = 16
     cfg.num_hidden_layers = max(1, round(size_mb * 1e6 / per_layer))
     torch.manual_seed(0)
@@ -98,14 +102,17 @@ def bench_size(
         engine = engines.handle(0)
         bucket = bucket_mb * 1024 * 1024
         times: dict[str, list[float]] = {t: [] for t in transports}
+        paths: dict[str, str] = {}
         nbytes = 0
-        for r in range(repeats + 1):  # the first round warms up (IPC set-up, group creation)
+        # The first two rounds warm up: the first push streams and learns the layout,
+        # the second makes the staging buffer and opens it on the engine (IPC set-up).
+        for r in range(repeats + 2):
             for transport in [t for t in transports if t != "disk"]:
                 t0 = time.perf_counter()
                 out = trainer.push_weights(engine, transport, bucket, flush_cache=False)
                 times[transport].append(time.perf_counter() - t0)
-                nbytes = out["bytes"]
-            if "disk" not in transports:
+                nbytes, paths[transport] = out["bytes"], out.get("path", "broadcast")
+            if "disk" not in transports or r == 0:
                 continue
             t0 = time.perf_counter()
             trainer.export_hf(r + 1, 0, None)
@@ -115,19 +122,22 @@ def bench_size(
             reply = ray.get(engine.update_weights_from_disk.remote(path, str(r + 1)))
             assert reply["success"], reply
             times["disk"].append(time.perf_counter() - t0)
+            paths["disk"] = "export+reload"
         copy_s = device_copy_s(nbytes, gpus > 0, repeats)
         for transport, ts in times.items():
-            s = statistics.median(ts[1:])
+            s = statistics.median(ts[-repeats:])
             rows.append(
                 {
                     "size_mb": round(nbytes / 1e6),
                     "dtype": dtype,
                     "device": "cuda" if gpus > 0 else "cpu",
                     "transport": transport,
+                    "path": paths[transport],
                     "s_per_update": s,
+                    "first_s": ts[0],
                     "GB_per_s": nbytes / s / 1e9,
                     "copy_s": copy_s,
-                    "x_copy": s / copy_s,
+                    "copy_ratio": copy_s / s,
                 }
             )
     finally:
@@ -137,10 +147,16 @@ def bench_size(
 
 
 def table(rows: list[dict]) -> str:
-    head = "| MB | dtype | device | transport | s/update | GB/s | copy s | × copy |\n|---|---|---|---|---|---|---|---|\n"
+    """copy/ours: a same-run device copy (memcpy on CPU) of the bytes over our time
+    (1.0 = as fast as one copy; the issue's goal is >= 0.3)."""
+    head = (
+        "| MB | dtype | device | transport | path | s/update | first s | GB/s | copy s | copy/ours |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     return head + "".join(
-        f"| {r['size_mb']} | {r['dtype']} | {r['device']} | {r['transport']} | {r['s_per_update']:.3f} | "
-        f"{r['GB_per_s']:.2f} | {r['copy_s']:.4f} | {r['x_copy']:.1f} |\n"
+        f"| {r['size_mb']} | {r['dtype']} | {r['device']} | {r['transport']} | {r['path']} | "
+        f"{r['s_per_update']:.4f} | {r['first_s']:.3f} | {r['GB_per_s']:.1f} | "
+        f"{r['copy_s']:.4f} | {r['copy_ratio']:.2f} |\n"
         for r in rows
     )
 

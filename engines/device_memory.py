@@ -42,6 +42,12 @@ def actor_memory(owner: object, device: torch.device, tag: str) -> DeviceMemory:
     return mem
 
 
+def has_slept(owner: object) -> bool:
+    """Whether ``owner`` ever slept (a colocated actor): never makes a DeviceMemory."""
+    mem = owner.__dict__.get(_ATTR)
+    return mem is not None and mem.transitions > 0
+
+
 def _saver() -> Any | None:
     """torch_memory_saver's process-wide saver, or None where it cannot work here."""
     try:

@@ -131,10 +131,9 @@ class EngineRank:
 
     def apply_handle(self, handle: dict[str, Any]) -> int:
         """Copy this rank's slice of one transfer handle's buckets into the model."""
-        named = wr.named_tensors(wr.open_bucket(handle, self._device))
-        n = wr.copy_into(self._model, tpar.shard_named(named, self.rank, self.tp))
-        del named  # views of the producer's memory, which it frees after rank 0 returns
-        return n
+        from engines import weight_cache
+
+        return weight_cache.apply(self, self._model, handle, self._device, self.rank, self.tp)[1]
 
     def join_update_group(
         self, addr: str, port: int, rank: int, world: int, name: str, backend: str

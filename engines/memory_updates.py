@@ -27,6 +27,7 @@ import ray
 import torch
 
 from engines import tensor_parallel as tpar
+from engines import weight_cache
 from engines import weight_receiver as wr
 from engines.engine_ranks import wait_all
 from engines.types import UpdateWeightsResult
@@ -56,8 +57,14 @@ class InMemoryUpdates:
                     if weight_version is not None:
                         self._weight_version = str(weight_version)
                     paused = self._paused_requests()
-        except WeightLoadError as e:
-            return {"success": False, "message": str(e), "num_paused_requests": 0}
+        except WeightLoadError as e:  # a cache miss asks the producer to resend in full
+            miss = isinstance(e, weight_cache.CacheMiss) or "weight cache miss" in str(e)
+            return {
+                "success": False,
+                "message": str(e),
+                "num_paused_requests": 0,
+                "cache_miss": miss,
+            }
         if flush_cache:
             self.flush_cache()
         msg = f"copied {ntensors} tensors ({nbytes} bytes); version {self._weight_version}"
@@ -82,21 +89,19 @@ class InMemoryUpdates:
                 f"got {len(serialized_named_tensors)} tensor handles for an engine of tp_size={tp}: "
                 "give one per rank (rank j loads handle j)"
             )
-        named = wr.named_tensors(wr.open_bucket(serialized_named_tensors[0], self._device))
+        handles = [wr.check_handle(h) for h in serialized_named_tensors]
 
         def copy() -> tuple[int, int]:
             refs = []
             if self._ranks is not None:
-                refs = self._ranks.submit_each(
-                    "apply_handle", [(h,) for h in serialized_named_tensors[1:]]
-                )
-            nbytes = wr.copy_into(self._model, tpar.shard_named(named, 0, tp))
+                refs = self._ranks.submit_each("apply_handle", [(h,) for h in handles[1:]])
+            # Views of the producer's memory are dropped (or kept, for a cached
+            # handle) before this returns; the producer frees or reuses it after.
+            out = weight_cache.apply(self, self._model, handles[0], self._device, 0, tp)
             wait_all(refs)
-            return len(named), nbytes
+            return out
 
-        result = self._apply(copy, weight_version, flush_cache)
-        named.clear()  # drop the views of shared memory / IPC tensors before the producer frees them
-        return result
+        return self._apply(copy, weight_version, flush_cache)
 
     @_control
     def init_weights_update_group(

@@ -6,7 +6,9 @@ Owns turning what a trainer hands over into tensors copied into the model:
   each holding one flat tensor per dtype in the ``flattened_bucket`` layout.
   Handles are checked before use (``check_handle``): only the allow-listed
   unpickler reads their bytes (``engines.safe_pickle``), and a shared-memory
-  handle may only name a producer segment in the shared-memory folder;
+  handle may only name a producer segment in the shared-memory folder.
+  A handle may carry ``cache`` (``engines.weight_cache``): the producer keeps
+  that buffer across updates and the receiver keeps it open;
 - ``distributed`` buckets: flat tensors received by broadcast from trainer
   rank 0 over a process group of its own (gloo on CPU, NCCL on GPU), built
   from an explicit TCPStore so it never touches a default process group.
@@ -75,12 +77,24 @@ def check_handle(handle: Any) -> dict[str, Any]:
     parts = handle.get("parts")
     if not isinstance(parts, list):
         _fail("'parts' must be a list")
+    cache = handle.get("cache")
+    if cache is not None and not (
+        isinstance(cache, dict)
+        and isinstance(cache.get("channel"), str)
+        and isinstance(cache.get("key"), str)
+        and isinstance(cache.get("keep", False), bool)
+    ):
+        _fail("'cache' must be {'channel': str, 'key': str, 'keep': bool}")
     for part in parts:
-        meta = part.get("metadata") if isinstance(part, dict) else None
-        if not isinstance(meta, list) or not meta:
-            _fail("every part needs a non-empty 'metadata' list")
-        if not all(isinstance(m, TensorMeta) for m in meta):
-            _fail("metadata entries must be TensorMeta")
+        if not isinstance(part, dict):
+            _fail("every part must be a dict")
+        meta = part.get("metadata")
+        # A cached handle may leave the metadata out: the receiver opened it before.
+        if meta is not None or cache is None:
+            if not isinstance(meta, list) or not meta:
+                _fail("every part needs a non-empty 'metadata' list")
+            if not all(isinstance(m, TensorMeta) for m in meta):
+                _fail("metadata entries must be TensorMeta")
         key, kind = ("offset", int) if handle["kind"] == "shm" else ("handle", bytes)
         if not isinstance(part.get(key), kind):
             _fail(f"every {handle['kind']} part needs {key!r} ({kind.__name__})")
@@ -114,10 +128,20 @@ def open_bucket(handle: dict[str, Any], device: torch.device) -> list[FlatBucket
             out.append(FlatBucket(flat=flat, metadata=part["metadata"]))
         return out
     if kind == "cuda_ipc":
-        return [
-            FlatBucket(flat=_cuda_tensor(part["handle"]), metadata=part["metadata"])
-            for part in handle["parts"]
-        ]
+        out = []
+        for part in handle["parts"]:
+            flat, meta = _cuda_tensor(part["handle"]), part["metadata"]
+            if (
+                flat.dim() != 1
+                or flat.numel() < flat_from_meta(meta)
+                or (flat.dtype != to_dtype(meta[0].dtype))
+            ):
+                raise WeightLoadError(
+                    f"CUDA IPC part {flat.dtype} [{flat.numel()}] does not hold its metadata "
+                    f"({meta[0].dtype}, {flat_from_meta(meta)} elements)"
+                )
+            out.append(FlatBucket(flat=flat, metadata=meta))
+        return out
     raise ValueError(f"unknown bucket handle kind {kind!r}: expected 'shm' or 'cuda_ipc'")
 
 

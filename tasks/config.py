@@ -116,6 +116,18 @@ class RunConfig(BaseModel):
             )
         if self.placement.colocate:
             _check_colocation(self)
+        elif self.weights.transport == "distributed":
+            _check_broadcast_devices(self)
+        return self
+
+    @model_validator(mode="after")
+    def _pipelining_needs_own_devices(self) -> RunConfig:
+        if self.rollout.max_staleness and self.placement.colocate:
+            raise ValueError(
+                "rollout.max_staleness: 1 overlaps generation with training, but with "
+                "placement.colocate the engines and the trainer take turns on the same devices; "
+                "set rollout.max_staleness: 0, or placement.colocate: false"
+            )
         return self
 
 
@@ -163,6 +175,32 @@ def _check_colocation(cfg: RunConfig) -> None:
                 "colocated SGLang engines free their memory only with --enable-memory-saver: "
                 "add it to engines.sglang.extra_args"
             )
+
+
+def _check_broadcast_devices(cfg: RunConfig) -> None:
+    """A broadcast group (trainer rank 0 + one engine's ranks) is an NCCL group on
+    GPUs, and NCCL refuses two of its ranks on one GPU ("Duplicate GPU detected").
+    Fractional GPUs that fit together on one device let Ray place them so."""
+    t, e, tp = (
+        cfg.train.num_gpus_per_worker,
+        cfg.engines.num_gpus_per_engine,
+        cfg.engines.tp_size,
+    )
+    eps = 1e-9  # 0.7 + 0.3 is not exactly 1.0 in floats
+    shared = t > 0 and e > 0 and t + e <= 1 + eps
+    own_ranks = cfg.engines.kind != "sglang" and tp > 1 and 0 < e and 2 * e <= 1 + eps
+    if shared or own_ranks:
+        who = (
+            f"train.num_gpus_per_worker={t} and engines.num_gpus_per_engine={e} fit on one GPU"
+            if shared
+            else f"two of an engine's {tp} ranks fit on one GPU (engines.num_gpus_per_engine={e})"
+        )
+        raise ValueError(
+            f"weights.transport 'distributed' broadcasts over NCCL, which refuses two ranks of "
+            f"one group on one GPU, but {who}, so Ray may place them together; give every "
+            "train rank and engine rank a whole GPU (num_gpus 1), or use weights.transport: "
+            "tensor (CUDA IPC), which is made for actors sharing a GPU"
+        )
 
 
 class ConfigError(ValueError):

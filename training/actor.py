@@ -23,7 +23,7 @@ from rollout.types import RolloutBatch
 from training import backend_torch as bt
 from training import checkpoint
 from training.algorithm import policy_loss
-from training.batch import build_train_batch, micro_batches, rank_slice
+from training.batch import build_train_batch, rank_micro_batches
 from training.config import RunIdentity, TrainerSections
 from training.export import drop_tied, manifest_dict, write_hf_weights
 
@@ -172,46 +172,14 @@ class TrainActor:
     ) -> dict | None:
         """Collective. Rank 0 sends the trainer state it holds to ``engine`` as weight
         version ``iteration`` over ``transport`` ('tensor' or 'distributed')."""
-        from training import weight_sender as ws
+        from training.weight_sender import push_from_rank
 
         self._require_model()
-        version = self._iteration
-        named = bt.iter_full_tensors(self.model)
-        t0 = time.perf_counter()
-        if transport == "tensor":
-            gather = ws.HandleGather(
-                self.rank, self.world_size, ws.engine_ranks(engine), self._gloo_group()
-            )
-            out = ws.send_tensor(engine, named, version, bucket_bytes, flush_cache, gather)
-        elif transport == "distributed":
-            if self.rank != 0:
-                for _ in named:  # join each all-gather; only rank 0 sends
-                    pass
-                return None
-            if getattr(self, "_broadcast", None) is None:
-                self._broadcast = ws.BroadcastSender()
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            out = self._broadcast.send(
-                engine, named, version, bucket_bytes, flush_cache, group_name, backend
-            )
-        else:
-            raise ValueError(
-                f"transport={transport!r}: push_weights does 'tensor' or 'distributed'"
-            )
-        if out is None:
-            return None
-        return {"version": version, "transport": transport, "s": time.perf_counter() - t0, **out}
+        return push_from_rank(self, engine, transport, bucket_bytes, flush_cache, group_name)
 
-    def _gloo_group(self) -> Any:
-        """A gloo group over all train ranks (the handles of a tensor push travel on
-        it even when training runs NCCL); None with one rank. Made once, collectively."""
-        if self.world_size == 1:
-            return None
-        if getattr(self, "_gloo", None) is None:
-            import torch.distributed as dist
-
-            self._gloo = dist.new_group(backend="gloo")
-        return self._gloo
+    def _push_tensors(self) -> Any:
+        """(HF name, full tensor) pairs a push sends, one at a time; collective."""
+        return bt.iter_full_tensors(self.model)
 
     def offload(self) -> dict[str, Any]:
         """Sleep: free the device memory of the weights, optimizer state and reference
@@ -254,8 +222,7 @@ class TrainActor:
             )
         full = build_train_batch(RolloutBatch.from_json(data), self.pad_id, self.cfg.loss)
         dp_rank = self._data_parallel_rank()
-        start, end = rank_slice(full.size, dp_rank, self._data_parallel_size())
-        mbs = micro_batches(full.rows(start, end), self.cfg.micro_batch_size)
+        mbs = rank_micro_batches(full, dp_rank, self._data_parallel_size(), self.cfg)
         torch.manual_seed(step_seed(self.seed, k, dp_rank))
         old, ref = self._reference_logprobs(mbs)
         sums = self._accumulate(mbs, old, ref, full.num_tokens)
@@ -285,15 +252,15 @@ class TrainActor:
         """Old logprobs from the current weights (ratio starts at 1) and reference
         logprobs when the KL term is on; no autograd graph kept."""
         old, ref = [], []
+        packed = self.cfg.pack_sequences
         self.model.eval()
         with torch.no_grad():
             for mb in mbs:
                 mb = self._to_device(mb)
-                old.append(bt.token_logprobs(self.model, mb.input_ids, mb.attention_mask)[0])
+                ids, am = mb.input_ids, mb.attention_mask
+                old.append(bt.token_logprobs(self.model, ids, am, packed=packed)[0])
                 if self.ref_model is not None:
-                    ref.append(
-                        bt.token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask)[0]
-                    )
+                    ref.append(bt.token_logprobs(self.ref_model, ids, am, packed=packed)[0])
         return old, ref
 
     def _accumulate(self, mbs: list, old: list, ref: list, global_tokens: int) -> torch.Tensor:
@@ -315,6 +282,7 @@ class TrainActor:
                 mb.attention_mask,
                 with_entropy=True,
                 entropy_grad=lc.entropy_coef > 0,
+                packed=self.cfg.pack_sequences,
             )
             loss, m = policy_loss(
                 lc,

@@ -1,17 +1,22 @@
-"""Trainer side of the in-memory weight transports (runs on train rank 0).
+"""Trainer side of the in-memory weight transports (runs on every train rank).
 
-Owns cutting the full state into buckets of at most ``bucket_bytes``,
-flattening each per dtype (``engines.flat_bucket``), and handing them to one
-engine actor:
-- ``tensor``: on CPU the bucket's flat tensors go into one /dev/shm file
-  (64-byte aligned parts) that the engine maps; on GPU each flat tensor goes
-  as a CUDA IPC handle (``torch.multiprocessing`` reductions, as SGLang and
-  slime do). An engine spanning several ranks gets one handle per rank (rank
-  j loads handle j): train rank ``j % world`` makes engine rank j's handle on
-  its own device (colocated: the same GPU), and the handles are gathered to
-  train rank 0 over gloo (slime's ``UpdateWeightFromTensor``), which calls
-  the engine. The producers keep their file / tensor until rank 0 has the
-  engine's reply (its ack), then free it.
+Owns handing the full state to one engine actor:
+- ``tensor``, resident (``TensorPusher`` with a trainer that never sleeps):
+  one staging buffer for the whole model (``training.weight_staging``), one
+  flat tensor per dtype, registered once (a CUDA IPC handle on GPU, a
+  shared-memory segment on CPU) and refilled at each update; one Ray call per
+  update, which the engine answers from its cache of opened handles
+  (``engines.weight_cache``). The layout is learnt from the first push, which
+  streams. An engine that does not hold the key (restarted) answers
+  ``cache_miss`` and gets the handle again in full.
+- ``tensor``, streamed (colocated ranks, which sleep between pushes and so
+  keep no second copy of the model): buckets of at most ``bucket_bytes``,
+  flattened per dtype (``engines.flat_bucket``), one handle and one call per
+  bucket; the producer frees each bucket after the engine's reply.
+  An engine spanning several ranks gets one handle per rank (rank j loads
+  handle j): train rank ``j % world`` makes engine rank j's handle on its own
+  device, and the handles are gathered to train rank 0 over gloo (slime's
+  ``UpdateWeightFromTensor``), which calls the engine and broadcasts the outcome.
 - ``distributed``: metadata by actor call, tensors by broadcast over a
   standalone process group {trainer rank 0, engine rank(s)}, one group per
   engine so each engine's reload is its own retriable task. A group whose
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -36,6 +41,7 @@ import torch.distributed as dist
 
 from engines import weight_receiver as wr
 from engines.flat_bucket import FlatBucket, flatten, iter_buckets
+from training.weight_staging import Layout, Staging, segment_path
 
 ALIGN = 64
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -53,10 +59,6 @@ def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
     yield prev, True
 
 
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
 class ShmSegment:
     """A /dev/shm file holding a bucket's flat tensors; unlinked by ``close``."""
 
@@ -66,7 +68,7 @@ class ShmSegment:
             offsets.append(off)
             off += -(-b.flat.numel() * b.flat.element_size() // ALIGN) * ALIGN
         self.nbytes = max(off, ALIGN)
-        self.path = os.path.join(_shm_dir(), f"prefect-rl-wb-{uuid.uuid4().hex}")
+        self.path = segment_path()
         with open(self.path, "wb") as f:
             f.truncate(self.nbytes)
         buf = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
@@ -106,11 +108,6 @@ def _check(reply: dict[str, Any], what: str) -> None:
         raise RuntimeError(f"engine refused {what}: {reply.get('message')}")
 
 
-def engine_ranks(engine: Any) -> int:
-    """How many ranks (tensor-parallel size) the engine actor spans."""
-    return int(ray.get(engine.model_info.remote()).get("tp_size", 1))
-
-
 class HandleGather:
     """The train ranks' side of one tensor push: who makes a handle, and the
     gloo collectives that bring the handles to rank 0 and its ack back."""
@@ -144,7 +141,104 @@ class HandleGather:
         return box[0]
 
 
-def send_tensor(
+def engine_key(engine: Any) -> str:
+    """A stable id of an engine actor (its Ray actor id): a restarted engine is a new one."""
+    actor_id = getattr(engine, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else str(id(engine))
+
+
+class TensorPusher:
+    """One train rank's side of ``tensor`` pushes, kept across updates; see the module
+    docstring. ``resident=False`` drops the staging buffer and streams."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device  # where the staging buffer lives: the rank's own device
+        self.channel = uuid.uuid4().hex  # this rank, as engines' caches know it
+        self.layout: Layout | None = None
+        self.staging: Staging | None = None
+        self._ranks: dict[str, int] = {}  # engine key -> tensor-parallel size
+
+    def engine_ranks(self, engine: Any) -> int:
+        """How many ranks (tensor-parallel size) the engine actor spans (asked once)."""
+        key = engine_key(engine)
+        if key not in self._ranks:
+            self._ranks[key] = int(ray.get(engine.model_info.remote()).get("tp_size", 1))
+        return self._ranks[key]
+
+    def push(
+        self,
+        engine: Any,
+        named: NamedTensors,
+        version: int,
+        bucket_bytes: int,
+        flush_cache: bool,
+        gather: HandleGather,
+        resident: bool,
+    ) -> dict[str, Any] | None:
+        """Collective over the train ranks (each iterates the same full tensors);
+        rank 0 returns bytes, buckets and the path taken."""
+        if not resident:
+            self.close()
+        elif self.layout is not None:
+            return self._push_resident(engine, named, version, flush_cache, gather)
+        if resident:  # learn the layout while streaming the first push
+            self.layout, named = Layout.record(named)
+        out = send_streamed(engine, named, version, bucket_bytes, flush_cache, gather)
+        return None if out is None else {**out, "path": "streamed"}
+
+    def _push_resident(
+        self,
+        engine: Any,
+        named: NamedTensors,
+        version: int,
+        flush_cache: bool,
+        gather: HandleGather,
+    ) -> dict[str, Any] | None:
+        nbytes = 0
+        if gather.producer:
+            if self.staging is None:
+                self.staging = Staging(self.layout, self.device, self.channel)
+            nbytes = self.staging.fill(named)
+        else:
+            for _ in named:  # join the collectives of the iteration (FSDP gathers)
+                pass
+        key = engine_key(engine)
+        status = None
+        for attempt in range(2):
+            mine = None
+            if gather.producer:
+                mine = self.staging.handle(full=attempt > 0 or key not in self.staging.acked)
+            handles = gather.to_rank0(mine)
+            status = None
+            if handles is not None:
+                try:
+                    reply = ray.get(
+                        engine.update_weights_from_tensor.remote(
+                            handles, flush_cache=flush_cache, weight_version=str(version)
+                        )
+                    )
+                    if reply.get("cache_miss") and attempt == 0:
+                        status = "miss"  # the engine was restarted: send everything again
+                    else:
+                        _check(reply, f"v{version}")
+                except Exception as e:  # every rank must hear of it, or they would wait
+                    status = f"{type(e).__name__}: {e}"
+            status = gather.ack(status)
+            if status != "miss":
+                break
+        if status is not None:
+            raise RuntimeError(status)
+        if gather.producer:
+            self.staging.acked.add(key)
+        return {"bytes": nbytes, "buckets": 1, "path": "resident"} if gather.rank == 0 else None
+
+    def close(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+
+
+def send_streamed(
     engine: Any,
     named: NamedTensors,
     version: int,
@@ -152,8 +246,9 @@ def send_tensor(
     flush_cache: bool,
     gather: HandleGather,
 ) -> dict[str, Any] | None:
-    """Hand every bucket to ``engine`` (same host). Collective over the train ranks
-    (each iterates the same full tensors); rank 0 returns bytes and bucket count."""
+    """Hand every bucket to ``engine`` (same host), one call per bucket. Collective over
+    the train ranks (each iterates the same full tensors); rank 0 returns bytes and
+    bucket count."""
     nbytes = nbuckets = 0
     for bucket, last in _with_last(iter_buckets(named, bucket_bytes)):
         flats = flatten(bucket)
@@ -163,6 +258,8 @@ def send_tensor(
         try:
             mine = None
             if gather.producer:
+                if on_gpu:  # the engine reads the flats from its own stream
+                    torch.cuda.current_stream().synchronize()
                 mine = _ipc_handle(flats) if on_gpu else segment.handle
             handles = gather.to_rank0(mine)
             if handles is not None:
@@ -181,8 +278,6 @@ def send_tensor(
         finally:  # the engine has copied (or failed): the producer's memory may go
             if segment is not None:
                 segment.close()
-            if on_gpu:
-                torch.cuda.synchronize()
         if error is not None:
             raise RuntimeError(error)
         nbytes += sum(b.flat.numel() * b.flat.element_size() for b in flats)
@@ -203,7 +298,7 @@ class BroadcastSender:
         if pg is not None:  # the engine was restarted: its end of the group is gone
             wr.destroy_group(self.groups.pop(group_name))
         addr, port = ray.util.get_node_ip_address(), wr.free_port()
-        world = 1 + engine_ranks(engine)  # trainer rank 0 plus every engine rank
+        world = 1 + int(ray.get(engine.model_info.remote()).get("tp_size", 1))  # + trainer rank 0
         joined = engine.init_weights_update_group.remote(addr, port, 1, world, group_name, backend)
         pg = wr.make_group(addr, port, 0, world, group_name, backend)
         _check(ray.get(joined), f"init_weights_update_group({group_name})")
@@ -244,3 +339,52 @@ class BroadcastSender:
         for pg in self.groups.values():
             wr.destroy_group(pg)
         self.groups.clear()
+
+
+def _gloo_group(actor: Any) -> Any:
+    """A gloo group over all train ranks (the handles of a tensor push travel on it
+    even when training runs NCCL); None with one rank. Made once, collectively."""
+    if actor.world_size == 1:
+        return None
+    if getattr(actor, "_gloo", None) is None:
+        actor._gloo = dist.new_group(backend="gloo")
+    return actor._gloo
+
+
+def push_from_rank(
+    actor: Any, engine: Any, transport: str, bucket_bytes: int, flush_cache: bool, group_name: str
+) -> dict[str, Any] | None:
+    """A train rank's part of ``TrainActor.push_weights``: the state it holds
+    (``actor._push_tensors()``) to ``engine`` as version ``actor.iteration()``.
+    Collective; rank 0 returns the summary."""
+    from engines.device_memory import has_slept
+
+    version = actor.iteration()
+    named = actor._push_tensors()
+    t0 = time.perf_counter()
+    if transport == "tensor":
+        if getattr(actor, "_pusher", None) is None:
+            actor._pusher = TensorPusher(actor.device)
+        ranks = actor._pusher.engine_ranks(engine)
+        gather = HandleGather(actor.rank, actor.world_size, ranks, _gloo_group(actor))
+        # A rank that sleeps (colocated) keeps no second copy of the model: it streams.
+        resident = not has_slept(actor)
+        out = actor._pusher.push(
+            engine, named, version, bucket_bytes, flush_cache, gather, resident
+        )
+    elif transport == "distributed":
+        if actor.rank != 0:
+            for _ in named:  # join each all-gather; only rank 0 sends
+                pass
+            return None
+        if getattr(actor, "_broadcast", None) is None:
+            actor._broadcast = BroadcastSender()
+        backend = "nccl" if actor.device.type == "cuda" else "gloo"
+        out = actor._broadcast.send(
+            engine, named, version, bucket_bytes, flush_cache, group_name, backend
+        )
+    else:
+        raise ValueError(f"transport={transport!r}: push_weights does 'tensor' or 'distributed'")
+    if out is None:
+        return None
+    return {"version": version, "transport": transport, "s": time.perf_counter() - t0, **out}

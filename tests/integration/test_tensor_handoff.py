@@ -20,6 +20,11 @@ from training.tiny_model import write_tiny_model
 
 
 def _handoff(tmp_path, tiny_model_dir: str, gpus: float) -> dict:
+    """Push the trainer's weights four times into an engine that is reset to other
+    weights before each push: the first push streams (and learns the layout), the
+    second fills the resident staging buffer and sends it in full, the third sends
+    only the cached handle, the fourth goes to a restarted engine (a cache miss,
+    answered by resending in full). Each must leave the engine equal to a disk reload."""
     run = f"handoff-{uuid.uuid4().hex[:6]}"
     other = str(write_tiny_model(tmp_path / "other", seed=1))  # the engine starts here
     train_cfg = TrainConfig(num_cpus_per_worker=0.5, num_gpus_per_worker=gpus)
@@ -36,37 +41,48 @@ def _handoff(tmp_path, tiny_model_dir: str, gpus: float) -> dict:
         engines.start(other, weight_version=0)
         engine = engines.handle(0)
         before = ray.get(engine.state_sha256.remote())
-        ray.get(engine.pause_generation.remote("in_place"))
-        first = trainer.push_weights(engine, "tensor", 16 * 1024, flush_cache=True)
-        again = trainer.push_weights(engine, "tensor", 16 * 1024, flush_cache=False)  # warm
-        ray.get(engine.continue_generation.remote())
-        pushed = ray.get(engine.state_sha256.remote())
+        pushes, states = [], []
+        for i in range(4):
+            if i == 3:
+                engine = engines.restart(0, other, 0)
+            else:
+                ray.get(engine.update_weights_from_disk.remote(other, "0"))
+            assert ray.get(engine.state_sha256.remote()) == before
+            ray.get(engine.pause_generation.remote("in_place"))
+            pushes.append(trainer.push_weights(engine, "tensor", 16 * 1024, flush_cache=i == 0))
+            ray.get(engine.continue_generation.remote())
+            states.append(ray.get(engine.state_sha256.remote()))
         info = ray.get(engine.model_info.remote())
         ray.get(engine.update_weights_from_disk.remote(tiny_model_dir, "0"))
         from_disk = ray.get(engine.state_sha256.remote())
         return {
             "before": before,
-            "pushed": pushed,
+            "states": states,
             "disk": from_disk,
             "info": info,
-            "first": first,
-            "again": again,
+            "pushes": pushes,
         }
     finally:
         trainer.shutdown()
         engines.shutdown()
 
 
+def _check_handoff(r: dict) -> None:
+    assert r["before"] != r["disk"]
+    assert r["states"] == [r["disk"]] * 4  # every path gives the bytes of a disk reload
+    assert [p["path"] for p in r["pushes"]] == ["streamed", "resident", "resident", "resident"]
+    assert r["pushes"][0]["buckets"] > 1 and r["pushes"][1]["buckets"] == 1
+    assert r["info"]["weight_version"] == "0"
+
+
 def test_tensor_handoff_over_shared_memory(ray_cluster, tmp_path, tiny_model_dir):
-    r = _handoff(tmp_path, tiny_model_dir, gpus=0.0)
-    assert r["before"] != r["pushed"] == r["disk"]
-    assert r["info"]["weight_version"] == "0" and r["first"]["buckets"] > 1
+    _check_handoff(_handoff(tmp_path, tiny_model_dir, gpus=0.0))
 
 
 @pytest.mark.gpu
 def test_tensor_handoff_over_cuda_ipc(ray_cluster, tmp_path, tiny_model_dir):
     assert torch.cuda.is_available()
     r = _handoff(tmp_path, tiny_model_dir, gpus=0.4)
-    print({k: r[k] for k in ("first", "again")}, r["info"]["device"])
+    print(r["pushes"], r["info"]["device"])
     assert r["info"]["device"].startswith("cuda")
-    assert r["before"] != r["pushed"] == r["disk"]
+    _check_handoff(r)

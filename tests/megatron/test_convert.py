@@ -15,6 +15,7 @@ from training.megatron.convert import (
     spec_from_hf_config,
     split_qkv,
     split_tp,
+    stream_megatron_to_hf,
 )
 
 CASES = [("llama", False), ("qwen2", False), ("qwen2", True), ("llama", True)]
@@ -130,3 +131,30 @@ def test_unmapped_or_unsupported_weights_are_refused():
         hf_to_megatron({**hf_state(model), "model.extra.weight": torch.zeros(1)}, spec)
     with pytest.raises(ValueError, match="train.backend: torch"):
         spec_from_hf_config({"model_type": "gpt2"})
+
+
+@pytest.mark.parametrize("family,tied", CASES)
+def test_streamed_conversion_skips_extra_state_and_holds_one_layer(family, tied):
+    """A push walks the raw megatron state dict (``_extra_state`` entries hold None)
+    and gets HF tensors layer by layer, never reading ahead more than one tensor."""
+    model = tiny_model(family, tied)
+    spec = spec_from_hf_config(model.config)
+    hf = hf_state(model)
+    raw: list[tuple[str, object]] = []
+    for name, t in hf_to_megatron(hf, spec).items():
+        raw.append((name, t))
+        if name.startswith("decoder.layers."):
+            raw.append((name.rsplit(".", 1)[0] + "._extra_state", None))
+    read = []
+
+    def items():
+        for item in raw:
+            read.append(item[0])
+            yield item
+
+    out = {}
+    for name, t in stream_megatron_to_hf(items(), spec):
+        if name.startswith("model.layers.0."):  # layer 0 is out once layer 1 begins
+            assert sum(n.startswith("decoder.layers.1.") for n in read) == 1, name
+        out[name] = t
+    assert_bit_exact(out, hf)

@@ -39,6 +39,7 @@ from training.megatron.model import (
     check_layout,
     full_hf_state,
     init_parallel,
+    iter_hf_tensors,
     load_hf_state,
     read_hf_state,
     wrap,
@@ -136,6 +137,11 @@ class MegatronTrainActor(TrainActor):
 
     def _hf_state(self) -> dict[str, torch.Tensor]:
         return full_hf_state(self.model.gpt, self.tp)  # HF names; no lm_head when tied
+
+    def _push_tensors(self) -> Any:
+        """HF-named tensors converted layer by layer as a push streams them (the raw
+        megatron state dict holds ``_extra_state`` entries and fused qkv / fc1)."""
+        return iter_hf_tensors(self.model.gpt, self.tp)
 
     def _data_parallel_size(self) -> int:
         return self.dp_size  # gradients are averaged over DP in _reduce_and_clip

@@ -23,6 +23,7 @@ row-parallel ones (linear_proj, linear_fc2) on dim 1; norms are replicated.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,29 +173,66 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, to
     return out
 
 
+def _layer_to_hf(i: int, m: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """One decoder layer: megatron suffixes (``self_attention.linear_qkv.weight``) -> HF names."""
+    h, out = f"model.layers.{i}.", {}
+    for hs, ms in _LAYER_1TO1.items():
+        out[h + hs] = m[ms]
+    q, k, v = split_qkv(m["self_attention.linear_qkv.weight"], spec)
+    out.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k})
+    out[h + "self_attn.v_proj.weight"] = v
+    if spec.qkv_bias:
+        q, k, v = split_qkv(m["self_attention.linear_qkv.bias"], spec)
+        out.update({h + "self_attn.q_proj.bias": q, h + "self_attn.k_proj.bias": k})
+        out[h + "self_attn.v_proj.bias"] = v
+    gate, up = m["mlp.linear_fc1.weight"].chunk(2, dim=0)
+    out[h + "mlp.gate_proj.weight"] = gate.contiguous()
+    out[h + "mlp.up_proj.weight"] = up.contiguous()
+    return out
+
+
 def megatron_to_hf(m: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Full megatron state dict -> HF state dict (no ``lm_head`` when tied, as
     ``save_pretrained`` writes it). ``_extra_state`` entries are skipped."""
-    out: dict[str, torch.Tensor] = {}
-    for hf_name, m_name in _TOP_1TO1.items():
-        out[hf_name] = m[m_name]
-    for i in range(spec.num_layers):
-        h, p = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for hs, ms in _LAYER_1TO1.items():
-            out[h + hs] = m[p + ms]
-        q, k, v = split_qkv(m[p + "self_attention.linear_qkv.weight"], spec)
-        out.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k})
-        out[h + "self_attn.v_proj.weight"] = v
-        if spec.qkv_bias:
-            q, k, v = split_qkv(m[p + "self_attention.linear_qkv.bias"], spec)
-            out.update({h + "self_attn.q_proj.bias": q, h + "self_attn.k_proj.bias": k})
-            out[h + "self_attn.v_proj.bias"] = v
-        gate, up = m[p + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[h + "mlp.gate_proj.weight"] = gate.contiguous()
-        out[h + "mlp.up_proj.weight"] = up.contiguous()
-    if not spec.tied:
-        out["lm_head.weight"] = m["output_layer.weight"]
-    return out
+    return dict(stream_megatron_to_hf(m.items(), spec))
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_TOP_TO_HF = {m: h for h, m in _TOP_1TO1.items()}
+
+
+def stream_megatron_to_hf(
+    items: Iterable[tuple[str, Any]], spec: ModelSpec
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Megatron (name, tensor) pairs in the model's order -> HF (name, tensor) pairs,
+    one decoder layer at a time, so a push never holds more than one converted
+    layer. Non-tensors (``_extra_state``) are skipped; ``output_layer`` is dropped
+    when the embeddings are tied. The order is: embeddings, layers, norm, lm_head."""
+    layer, held = None, {}
+    pending_top: list[tuple[str, torch.Tensor]] = []
+    for name, t in items:
+        if not isinstance(t, torch.Tensor) or name.endswith("_extra_state"):
+            continue
+        match = _LAYER.match(name)
+        idx = int(match.group(1)) if match else None
+        if layer is not None and idx != layer:
+            yield from _layer_to_hf(layer, held, spec).items()
+            layer, held = None, {}
+        if match:
+            layer = idx
+            held[match.group(2)] = t
+        elif name in _TOP_TO_HF:
+            pending_top.append((_TOP_TO_HF[name], t))
+            if name.startswith("embedding."):  # before the layers, as HF orders it
+                yield pending_top.pop()
+        elif name == "output_layer.weight":
+            if not spec.tied:
+                pending_top.append(("lm_head.weight", t))
+        else:
+            raise KeyError(f"megatron weight {name!r} has no HF mapping")
+    if layer is not None:
+        yield from _layer_to_hf(layer, held, spec).items()
+    yield from pending_top
 
 
 # -- tensor parallelism -----------------------------------------------------

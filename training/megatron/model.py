@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,6 +35,7 @@ from training.megatron.convert import (
     megatron_to_hf,
     spec_from_hf_config,
     split_tp,
+    stream_megatron_to_hf,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -224,6 +226,31 @@ def full_hf_state(gpt: nn.Module, tp: int) -> dict[str, torch.Tensor]:
                 shards[r][name] = parts[r].to("cpu")
         state = gather_tp(shards)
     return megatron_to_hf(state, spec_from_hf_config(gpt.hf_config))
+
+
+def iter_full_megatron(gpt: nn.Module, tp: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(megatron name, full tensor on the device) in the model's order, one tensor
+    gathered over the TP group at a time; ``_extra_state`` entries are skipped.
+    Collective over the TP group: iterate it on every rank."""
+    for name, t in gpt.state_dict().items():
+        if not isinstance(t, torch.Tensor) or name.endswith("_extra_state"):
+            continue
+        t = t.detach()
+        if tp > 1:
+            import torch.distributed as dist
+            from megatron.core import parallel_state as ps
+
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+            t = gather_tp([{name: p} for p in parts])[name]
+        yield name, t
+
+
+def iter_hf_tensors(gpt: nn.Module, tp: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs of the model, converted one decoder layer at a time as
+    they stream (what a weight push sends). Collective over the TP group."""
+    spec = spec_from_hf_config(gpt.hf_config)
+    return stream_megatron_to_hf(iter_full_megatron(gpt, tp), spec)
 
 
 class HFView(nn.Module):

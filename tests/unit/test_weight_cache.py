@@ -1,0 +1,104 @@
+"""The engine's cache of opened ``tensor`` buckets (``engines.weight_cache``) with
+the trainer's resident staging buffer (``training.weight_staging``), on CPU
+shared memory: later updates reuse the opened segment without its metadata,
+an unknown key is a cache miss, tied weights travel once, and a bucket that does
+not fit leaves the model untouched."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engines import weight_receiver as wr
+from engines.weight_cache import CacheMiss, ReceiverCache, apply
+from engines.weights import WeightLoadError
+from training.weight_staging import Layout, Staging, sweep_dead_segments
+
+
+class Tied(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.emb = torch.nn.Embedding(11, 4)
+        self.head = torch.nn.Linear(4, 11, bias=False)
+        self.head.weight = self.emb.weight  # tied, as HF ties lm_head to the embeddings
+        self.norm = torch.nn.Parameter(torch.randn(4, generator=g).to(torch.bfloat16))
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.randn(11, 4, generator=g))
+
+
+def _named(m: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t.detach()) for n, t in m.state_dict().items()]
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_resident_updates_reuse_the_open_segment_and_copy_exact_bytes():
+    src, dst = Tied(0), Tied(1)
+    layout, _ = Layout.record(_named(src))
+    aliases = {
+        s.name: layout.slots[s.alias_of].name for s in layout.slots if s.alias_of is not None
+    }
+    assert aliases == {"head.weight": "emb.weight"}  # tied: its bytes travel once
+    staging = Staging(layout, torch.device("cpu"), "rank0")
+    owner = type("Engine", (), {})()
+    try:
+        staging.fill(_named(src))
+        full = staging.handle(full=True)
+        assert apply(owner, dst, wr.check_handle(full), torch.device("cpu"), 0, 1) == (
+            3,
+            11 * 4 * 4 + 4 * 2,
+        )
+        assert _same(src, dst)
+        with torch.no_grad():  # the trainer takes a step; the engine gets only a key now
+            src.emb.weight.mul_(2)
+            src.norm.add_(1)
+        staging.fill(_named(src))
+        short = wr.check_handle(staging.handle(full=False))
+        assert all(p["metadata"] is None for p in short["parts"])
+        apply(owner, dst, short, torch.device("cpu"), 0, 1)
+        assert _same(src, dst) and dst.head.weight is dst.emb.weight
+        with pytest.raises(CacheMiss):  # another engine never opened this key
+            apply(type("Other", (), {})(), Tied(2), short, torch.device("cpu"), 0, 1)
+    finally:
+        staging.close()
+    assert not os.path.exists(full["path"])
+
+
+def test_a_bucket_that_does_not_fit_leaves_the_model_untouched():
+    src, dst = Tied(0), torch.nn.Linear(4, 3)
+    staging = Staging(Layout.record(_named(src))[0], torch.device("cpu"), "rank0")
+    try:
+        staging.fill(_named(src))
+        before = {n: t.clone() for n, t in dst.state_dict().items()}
+        with pytest.raises(WeightLoadError, match="does not fit"):
+            ReceiverCache().plan(dst, staging.handle(full=True), torch.device("cpu"), 0, 1)
+        assert all(torch.equal(before[n], t) for n, t in dst.state_dict().items())
+    finally:
+        staging.close()
+
+
+def test_staging_refuses_a_model_that_changed_under_it():
+    src = Tied(0)
+    staging = Staging(Layout.record(_named(src))[0], torch.device("cpu"), "rank0")
+    try:
+        with pytest.raises(RuntimeError, match="changed under the staging buffer"):
+            staging.fill(_named(src)[:2])
+    finally:
+        staging.close()
+
+
+def test_segments_of_dead_producers_are_swept(tmp_path, monkeypatch):
+    import training.weight_staging as st
+
+    monkeypatch.setattr(st, "shm_dir", lambda: str(tmp_path))
+    dead = tmp_path / f"{wr.SHM_PREFIX}999999999-abc"  # no such pid
+    alive = tmp_path / f"{wr.SHM_PREFIX}{os.getpid()}-abc"
+    dead.write_bytes(b"x")
+    alive.write_bytes(b"x")
+    assert sweep_dead_segments() == 1
+    assert not dead.exists() and alive.exists()

@@ -1,0 +1,252 @@
+"""Trainer side of a resident ``tensor`` push: one staging buffer for the whole model.
+
+Owns ``Layout`` (the names, shapes and dtypes a push carries, learnt from the
+first push) and ``Staging``: one flat buffer per dtype holding every tensor of
+the layout, allocated and registered once, then refilled at each update with
+one fused copy per dtype. On GPU each flat buffer is exported as a CUDA IPC
+handle once (its pickled bytes are kept); on CPU the buffers are views of one
+shared-memory segment. The handles carry ``cache = {channel, key, keep}`` so the
+engine keeps them open (``engines.weight_cache``): an update is then one fill,
+one Ray call and one copy on the engine, whatever the number of tensors.
+
+Memory: a staging buffer holds a copy of the model for as long as the trainer
+keeps it, so only a trainer that never sleeps keeps one (colocated ranks stream
+per bucket instead, ``training.weight_sender``). A shared-memory segment's file
+name carries the producer's pid; files of dead producers are removed when a new
+segment is made, so a killed actor leaves nothing behind for long.
+
+Never calls the engine and never decides versions.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import os
+import tempfile
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engines.flat_bucket import TensorMeta, dtype_name
+from engines.weight_receiver import SHM_PREFIX
+
+ALIGN = 64
+PENDING_BYTES = 256 << 20  # tensors held before one fused copy (gathered ones are fresh memory)
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def segment_path() -> str:
+    """A new segment name: the producer's pid first, so a sweep can tell dead ones."""
+    return os.path.join(shm_dir(), f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+
+
+def sweep_dead_segments() -> int:
+    """Remove segments whose producer process is gone (a killed actor cannot unlink)."""
+    removed = 0
+    for path in glob.glob(os.path.join(shm_dir(), f"{SHM_PREFIX}*-*")):
+        pid = os.path.basename(path)[len(SHM_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+        except PermissionError:  # alive, another user's
+            pass
+    return removed
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str  # state-dict name
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    alias_of: int | None  # index of an earlier slot holding the same tensor (tied weights)
+
+
+class Layout:
+    """What a push carries, in order; ``matches`` tells whether it still does."""
+
+    def __init__(self, slots: list[Slot]) -> None:
+        self.slots = slots
+
+    @classmethod
+    def record(cls, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[Layout, list]:
+        """The layout of ``named``, and ``named`` as a list (the caller streams it on)."""
+        items, slots, seen = list(named), [], {}
+        for i, (name, t) in enumerate(items):
+            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()))
+            alias = seen.get(ident) if t.numel() else None
+            if alias is not None and slots[alias].shape != tuple(t.shape):
+                alias = None
+            seen.setdefault(ident, i)
+            slots.append(Slot(name, tuple(t.shape), t.dtype, alias))
+        return cls(slots), items
+
+    def check(self, i: int, name: str, t: torch.Tensor) -> None:
+        if i >= len(self.slots):
+            raise RuntimeError(f"push carries more tensors than its layout ({name!r} extra)")
+        s = self.slots[i]
+        if s.name != name or s.shape != tuple(t.shape) or s.dtype != t.dtype:
+            raise RuntimeError(
+                f"tensor {i} is {name!r} {tuple(t.shape)} {t.dtype}, the layout says "
+                f"{s.name!r} {s.shape} {s.dtype}: the model changed under the staging buffer"
+            )
+
+
+class Staging:
+    """Flat buffers per dtype for a ``Layout`` on ``device``; see the module docstring."""
+
+    def __init__(self, layout: Layout, device: torch.device, channel: str) -> None:
+        self.layout, self.device, self.channel = layout, device, channel
+        self.key = uuid.uuid4().hex  # a new buffer is a new key: receivers reopen it
+        self.acked: set[str] = set()  # engines that hold this key open
+        sizes: dict[torch.dtype, int] = {}
+        self.where: list[tuple[int, int, int]] = []  # per slot: (part, start, end) in elements
+        order: list[torch.dtype] = []
+        for s in layout.slots:
+            if s.dtype not in sizes:
+                sizes[s.dtype] = 0
+                order.append(s.dtype)
+        metas: dict[torch.dtype, list[TensorMeta]] = {d: [] for d in order}
+        for s in layout.slots:
+            if s.alias_of is not None:  # same range as the tensor it aliases
+                part, start, end = self.where[s.alias_of]
+            else:
+                n = 1
+                for d in s.shape:
+                    n *= d
+                part, start, end = order.index(s.dtype), sizes[s.dtype], sizes[s.dtype] + n
+                sizes[s.dtype] = end
+            self.where.append((part, start, end))
+            metas[s.dtype].append(
+                TensorMeta(s.name, s.shape, dtype_name(s.dtype), start, end, end - start)
+            )
+        self.metadata = [metas[d] for d in order]
+        self.path: str | None = None
+        if device.type == "cuda":
+            self.flats = [torch.empty(sizes[d], dtype=d, device=device) for d in order]
+            self._ipc = [_ipc_bytes(f) for f in self.flats]
+        else:
+            self._map_segment(order, sizes)
+
+    def _map_segment(self, order: list[torch.dtype], sizes: dict[torch.dtype, int]) -> None:
+        sweep_dead_segments()
+        self.offsets, off = [], 0
+        for d in order:
+            self.offsets.append(off)
+            nbytes = sizes[d] * torch.empty((), dtype=d).element_size()
+            off += -(-nbytes // ALIGN) * ALIGN
+        self.nbytes = max(off, ALIGN)
+        self.path = segment_path()
+        with open(self.path, "wb") as f:
+            f.truncate(self.nbytes)
+        buf = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
+        self.flats = []
+        for d, o in zip(order, self.offsets):
+            n = sizes[d] * torch.empty((), dtype=d).element_size()
+            self.flats.append(buf[o : o + n].view(d))
+
+    def _view(self, i: int) -> torch.Tensor:
+        part, start, end = self.where[i]
+        return self.flats[part][start:end].view(self.layout.slots[i].shape)
+
+    @torch.no_grad()
+    def fill(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy every tensor of ``named`` (in layout order) into its slot; returns bytes.
+        One fused copy per dtype every ``PENDING_BYTES``, so tensors made for the push
+        (gathered or converted) are freed as it goes."""
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        fresh = total = 0
+        i = -1
+        for i, (name, t) in enumerate(named):
+            self.layout.check(i, name, t)
+            if self.layout.slots[i].alias_of is not None:
+                continue
+            dsts.append(self._view(i))
+            srcs.append(t)
+            nbytes = t.numel() * t.element_size()
+            total += nbytes
+            fresh += nbytes
+            if fresh >= PENDING_BYTES:
+                _fused_copy(dsts, srcs)
+                dsts, srcs, fresh = [], [], 0
+        if i + 1 != len(self.layout.slots):
+            raise RuntimeError(
+                f"push carried {i + 1} tensors, its layout {len(self.layout.slots)}: "
+                "the model changed under the staging buffer"
+            )
+        _fused_copy(dsts, srcs)
+        if self.device.type == "cuda":  # the engine reads it from another stream
+            torch.cuda.current_stream().synchronize()
+        return total
+
+    def handle(self, full: bool) -> dict[str, Any]:
+        """The transfer handle; ``full=False`` leaves out what a receiver that holds
+        this key already has (the metadata)."""
+        cache = {"channel": self.channel, "key": self.key, "keep": True}
+        if self.device.type == "cuda":
+            parts = [
+                {"handle": h, "metadata": m if full else None}
+                for h, m in zip(self._ipc, self.metadata)
+            ]
+            return {"kind": "cuda_ipc", "cache": cache, "parts": parts}
+        parts = [
+            {"offset": o, "metadata": m if full else None}
+            for o, m in zip(self.offsets, self.metadata)
+        ]
+        return {
+            "kind": "shm",
+            "path": self.path,
+            "nbytes": self.nbytes,
+            "cache": cache,
+            "parts": parts,
+        }
+
+    @property
+    def nbytes_total(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.flats)
+
+    def close(self) -> None:
+        """Drop the buffers (receivers that still hold them keep the memory alive until
+        they see a new key) and unlink the segment."""
+        self.flats, self._ipc = [], []
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+
+def _fused_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    groups: dict[tuple, tuple[list, list]] = {}
+    for d, s in zip(dsts, srcs):
+        g = groups.setdefault((s.device, s.dtype), ([], []))
+        g[0].append(d)
+        g[1].append(s)
+    for d, s in groups.values():
+        torch._foreach_copy_(d, s)
+
+
+def _ipc_bytes(flat: torch.Tensor) -> bytes:
+    """ForkingPickler bytes of a CUDA tensor (an IPC handle), as SGLang and slime send them."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reductions)
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(flat)
+    return buf.getvalue()
