@@ -139,7 +139,9 @@ class Producer:
         ph = {}
         t0 = time.perf_counter()
         if self.staging is None:
-            self.staging = Staging(Layout.record(self.named())[0], self.dev, "profile")
+            layout, items = Layout.record(self.named())
+            list(items)
+            self.staging = Staging(layout, self.dev, "profile")
         t1 = time.perf_counter()
         self.staging.fill(self.named())
         _sync(self.dev)

@@ -181,9 +181,11 @@ class TensorPusher:
             self.close()
         elif self.layout is not None:
             return self._push_resident(engine, named, version, flush_cache, gather)
+        layout = None
         if resident:  # learn the layout while streaming the first push
-            self.layout, named = Layout.record(named)
+            layout, named = Layout.record(named)
         out = send_streamed(engine, named, version, bucket_bytes, flush_cache, gather)
+        self.layout = layout  # complete only once the push went through
         return None if out is None else {**out, "path": "streamed"}
 
     def _push_resident(

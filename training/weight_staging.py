@@ -25,7 +25,7 @@ import io
 import os
 import tempfile
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,17 +82,22 @@ class Layout:
         self.slots = slots
 
     @classmethod
-    def record(cls, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[Layout, list]:
-        """The layout of ``named``, and ``named`` as a list (the caller streams it on)."""
-        items, slots, seen = list(named), [], {}
-        for i, (name, t) in enumerate(items):
+    def record(cls, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[Layout, Iterator]:
+        """An empty layout, and ``named`` passed through: the layout fills in as the
+        caller streams it on (a push never holds more than its buckets for this)."""
+        layout = cls([])
+        return layout, layout._recording(named)
+
+    def _recording(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator:
+        seen: dict[tuple, int] = {}
+        for name, t in named:
             ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()))
             alias = seen.get(ident) if t.numel() else None
-            if alias is not None and slots[alias].shape != tuple(t.shape):
+            if alias is not None and self.slots[alias].shape != tuple(t.shape):
                 alias = None
-            seen.setdefault(ident, i)
-            slots.append(Slot(name, tuple(t.shape), t.dtype, alias))
-        return cls(slots), items
+            seen.setdefault(ident, len(self.slots))
+            self.slots.append(Slot(name, tuple(t.shape), t.dtype, alias))
+            yield name, t
 
     def check(self, i: int, name: str, t: torch.Tensor) -> None:
         if i >= len(self.slots):

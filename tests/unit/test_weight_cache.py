@@ -33,13 +33,20 @@ def _named(m: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(n, t.detach()) for n, t in m.state_dict().items()]
 
 
+def _staging(m: torch.nn.Module) -> Staging:
+    layout, items = Layout.record(_named(m))
+    list(items)  # the layout fills in as a first push streams the tensors
+    return Staging(layout, torch.device("cpu"), "rank0")
+
+
 def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
 def test_resident_updates_reuse_the_open_segment_and_copy_exact_bytes():
     src, dst = Tied(0), Tied(1)
-    layout, _ = Layout.record(_named(src))
+    layout, items = Layout.record(_named(src))
+    list(items)
     aliases = {
         s.name: layout.slots[s.alias_of].name for s in layout.slots if s.alias_of is not None
     }
@@ -71,7 +78,7 @@ def test_resident_updates_reuse_the_open_segment_and_copy_exact_bytes():
 
 def test_a_bucket_that_does_not_fit_leaves_the_model_untouched():
     src, dst = Tied(0), torch.nn.Linear(4, 3)
-    staging = Staging(Layout.record(_named(src))[0], torch.device("cpu"), "rank0")
+    staging = _staging(src)
     try:
         staging.fill(_named(src))
         before = {n: t.clone() for n, t in dst.state_dict().items()}
@@ -84,7 +91,7 @@ def test_a_bucket_that_does_not_fit_leaves_the_model_untouched():
 
 def test_staging_refuses_a_model_that_changed_under_it():
     src = Tied(0)
-    staging = Staging(Layout.record(_named(src))[0], torch.device("cpu"), "rank0")
+    staging = _staging(src)
     try:
         with pytest.raises(RuntimeError, match="changed under the staging buffer"):
             staging.fill(_named(src)[:2])
