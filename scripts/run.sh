@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
-# Set up and run the main job on the embedded default (tiny model, embedded
-# engine, local Ray, local disk, Prefect's local server or $PREFECT_API_URL).
+# Set up and run the main job: `bash scripts/run.sh [CONFIG] [prefect-rl run options]`.
+# With no config (only options, or nothing) it runs configs/tiny-cpu.yaml, the
+# embedded default (tiny model, embedded engine, local Ray, local disk, Prefect's
+# local server or $PREFECT_API_URL):
+#   bash scripts/run.sh
+#   bash scripts/run.sh --set run.iterations=25
+#   bash scripts/run.sh configs/gpu-0.5b.yaml --plain
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export RAY_AUTH_MODE=disabled PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
-exec .venv/bin/prefect-rl run "${@:-configs/tiny-cpu.yaml}"
+# No RAY_AUTH_MODE here: the CLI turns Ray's auth off only for the local cluster it
+# starts itself; a cluster at ray.address keeps the auth you gave it (README, Security).
+export PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
+if [ $# -eq 0 ] || [[ "$1" == -* ]]; then
+    set -- configs/tiny-cpu.yaml "$@"
+fi
+exec .venv/bin/prefect-rl run "$@"

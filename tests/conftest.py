@@ -56,10 +56,24 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def prefect_api():
-    """A temporary Prefect server (SQLite) for in-process flow runs; yields its API URL."""
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_server(tmp_path_factory):
+    """One Prefect server (SQLite, a temporary PREFECT_HOME) for the whole session:
+    in-process flow runs and the e2e worker's flow runs share it (tests tell their
+    runs apart by run name). A server start costs tens of seconds on 2 cores."""
+    from tests.e2e.services import PrefectServer
 
-    with prefect_test_harness(server_startup_timeout=60):
-        yield PREFECT_API_URL.value()
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-server")).start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def prefect_api(prefect_server):
+    """The session's Prefect server as this process's API; yields its URL."""
+    from prefect.context import _temporary_global_settings_context, get_settings_context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        # Also process-wide, as prefect_test_harness does: contexts copied earlier see it.
+        with _temporary_global_settings_context(get_settings_context()):
+            yield prefect_server.api_url

@@ -1,5 +1,6 @@
 """Real services for the end-to-end tests: a Prefect server with a temporary
-PREFECT_HOME on a free loopback port, a Ray head (`ray start --head`), and a
+PREFECT_HOME on a free loopback port (one per test session, shared by the
+in-process flows and the worker's), a Ray head (`ray start --head`), and a
 process worker on the `prefect-rl` pool. Each is stopped with its whole session
 (every process it started, Ray's workers included), and the Ray address file
 that `ray start` wrote is removed with the head, as `ray stop` does."""
@@ -106,14 +107,64 @@ def forget_ray_address(port: int) -> None:
         pass
 
 
-class Stack:
-    """A Prefect server, a Ray head and (after ``deploy``) a worker."""
+def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A service process in a session of its own (``stop`` ends all it started)."""
+    return subprocess.Popen(
+        args,
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
-    def __init__(self, workdir: Path, ray_address: str | None = None):
-        """``ray_address``: a running cluster to use (the test session's) instead of a head of its own."""
+
+class PrefectServer:
+    """``prefect server start`` on a free loopback port with a PREFECT_HOME of its own."""
+
+    def __init__(self, workdir: Path):
         self.workdir = workdir
         self.port = free_port()
         self.api_url = f"http://127.0.0.1:{self.port}/api"
+        self.env = {
+            **os.environ,
+            "PREFECT_HOME": str(workdir / "prefect-home"),
+            "PREFECT_API_URL": self.api_url,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        }
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> PrefectServer:
+        log = self.workdir / "server.log"
+        args = ["server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = spawn([str(BIN / "prefect"), *args], self.env, log)
+        _wait(
+            lambda: httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200,
+            "prefect server",
+            120,
+            self.proc,
+            log,
+        )
+        return self
+
+    def close(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+
+class Stack:
+    """A Ray head (or the session's cluster) and (after ``deploy``) a worker, on a
+    Prefect server (the session's, or one of its own)."""
+
+    def __init__(
+        self, workdir: Path, ray_address: str | None = None, server: PrefectServer | None = None
+    ):
+        """``ray_address``: a running cluster to use (the test session's) instead of a head
+        of its own; ``server``: a running Prefect server to use instead of one of its own."""
+        self.workdir = workdir
+        self.server = server or PrefectServer(workdir)
+        self.own_server = server is None
+        self.api_url = self.server.api_url
         self.own_ray = ray_address is None
         self.ray_port = free_port() if self.own_ray else int(ray_address.rsplit(":", 1)[1])
         self.ray_address = f"127.0.0.1:{self.ray_port}" if self.own_ray else ray_address
@@ -135,37 +186,13 @@ class Stack:
         self, name: str, args: list[str], stop_signals=(signal.SIGTERM,)
     ) -> tuple[subprocess.Popen, Path]:
         log = self.workdir / f"{name}.log"
-        proc = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            env=self.env,
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        proc = spawn(args, self.env, log)
         self.procs.append((proc, stop_signals))
         return proc, log
 
     def start(self) -> Stack:
-        proc, log = self._spawn(
-            "server",
-            [
-                str(BIN / "prefect"),
-                "server",
-                "start",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-            ],
-        )
-        _wait(
-            lambda: httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200,
-            "prefect server",
-            120,
-            proc,
-            log,
-        )
+        if self.own_server:
+            self.server.start()
         if not self.own_ray:
             return self
         proc, log = self._spawn(
@@ -220,5 +247,7 @@ class Stack:
     def close(self) -> None:
         for proc, signals in reversed(self.procs):
             stop(proc, signals)
+        if self.own_server:
+            self.server.close()
         if self.own_ray:
             forget_ray_address(self.ray_port)

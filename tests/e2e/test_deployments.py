@@ -1,9 +1,11 @@
 """Prefect as a user sees it: a real server, `prefect deploy --all` from
 prefect.yaml, a process worker, `prefect deployment run ... --watch`, retries
-from the API as the UI's Retry button does, and the maintenance deployments."""
+from the API as the UI's Retry button does, and the maintenance deployments
+(`--param version=1`), which refuse bad input before they take the lease."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 
@@ -15,11 +17,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def stack(ray_cluster, tmp_path_factory):
+def stack(ray_cluster, prefect_server, tmp_path_factory):
     # The flow runs the worker starts join the test session's Ray cluster (as they
-    # would a long-lived cluster at ray.address), not a head started for this module.
+    # would a long-lived cluster at ray.address), not a head started for this module,
+    # and report to the session's Prefect server.
     address = ray_cluster.get_runtime_context().gcs_address
-    s = Stack(tmp_path_factory.mktemp("stack"), ray_address=address).start()
+    s = Stack(tmp_path_factory.mktemp("stack"), ray_address=address, server=prefect_server)
+    s.start()
     try:
         s.deploy_and_start_worker()
         yield s
@@ -54,6 +58,16 @@ def overrides(stack, root, name: str, **extra) -> dict:
     }
 
 
+def training(**params) -> dict:
+    """rl-training's parameters: at the top level, or under ``params`` while the flow
+    still takes its model as one argument."""
+    from flows.rl_training import rl_training
+
+    if list(inspect.signature(rl_training.fn).parameters) == ["params"]:
+        return {"params": params}
+    return params
+
+
 def run_deployment(stack, name: str, params: dict, check: bool = True):
     return stack.cli(
         "deployment",
@@ -69,6 +83,13 @@ def run_deployment(stack, name: str, params: dict, check: bool = True):
     )
 
 
+def run_maintenance(stack, name: str, check: bool = True, **params):
+    """As the README writes it: one ``--param key=value`` per parameter."""
+    flags = [arg for k, v in params.items() for arg in ("--param", f"{k}={v}")]
+    args = ["deployment", "run", name, *flags, "--watch", "--watch-timeout", "900"]
+    return stack.cli(*args, timeout=1000, check=check)
+
+
 def flow_runs(client, deployment: str):
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 
@@ -79,7 +100,17 @@ def flow_runs(client, deployment: str):
 
 
 def task_runs_named(client, prefix: str):
-    return [t for t in client.read_task_runs(limit=200) if t.name.startswith(prefix)]
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
+    named = TaskRunFilter(name=TaskRunFilterName(like_=prefix))
+    return [t for t in client.read_task_runs(task_run_filter=named) if t.name.startswith(prefix)]
+
+
+def flow_run_logs(client, flow_run_id) -> str:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return "\n".join(log.message for log in logs)
 
 
 def store_of(root, name):
@@ -92,9 +123,7 @@ def store_of(root, name):
 @pytest.fixture(scope="module")
 def finished_run(stack, client, tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    run_deployment(
-        stack, "rl-training/tiny-cpu", {"params": {"overrides": overrides(stack, root, "e2e")}}
-    )
+    run_deployment(stack, "rl-training/tiny-cpu", {"overrides": overrides(stack, root, "e2e")})
     return root
 
 
@@ -102,9 +131,10 @@ def test_deployment_run_completes_with_names_artifacts_and_versions(stack, clien
     runs = [r for r in flow_runs(client, "rl-training/tiny-cpu") if "e2e" in r.tags]
     assert runs and runs[0].state.is_completed()
     assert runs[0].name == "e2e:training"
-    all_flow_names = {r.name for r in client.read_flow_runs(limit=200)}
-    assert {"e2e:iter[k=1]", "e2e:iter[k=2]"} <= all_flow_names
-    names = {t.name for t in task_runs_named(client, "e2e:")}
+    # An iteration is its task runs (no subflow): named by k and tagged iter-k.
+    task_runs = task_runs_named(client, "e2e:")
+    names = {t.name for t in task_runs}
+    assert {"iter-1", "iter-2"} <= {tag for t in task_runs for tag in t.tags}
     for k in (1, 2):
         assert {
             f"e2e:rollout[k={k}]",
@@ -126,18 +156,16 @@ def test_failed_run_retried_from_the_api_reexecutes_only_the_failed_step(stack, 
     from prefect.states import Scheduled
 
     params = {
-        "params": {
-            "overrides": overrides(
-                stack,
-                tmp_path,
-                "retry",
-                **{
-                    "run.iterations": 1,
-                    "tasks.retries": 2,
-                    "faults": [{"step": "reload", "iteration": 1, "times": 3}],
-                },
-            )
-        }
+        "overrides": overrides(
+            stack,
+            tmp_path,
+            "retry",
+            **{
+                "run.iterations": 1,
+                "tasks.retries": 2,
+                "faults": [{"step": "reload", "iteration": 1, "times": 3}],
+            },
+        )
     }
     out = run_deployment(stack, "rl-training/tiny-cpu", params, check=False)
     assert out.returncode != 0, "the injected reload fault should fail the run"
@@ -170,47 +198,74 @@ def test_failed_run_retried_from_the_api_reexecutes_only_the_failed_step(stack, 
 
 
 def test_maintenance_deployments_and_rollback(stack, client, finished_run):
+    import shutil
+
     ref = {"run_name": "e2e", "storage_root": str(finished_run)}
-    run_deployment(stack, "publish-weights/publish-weights", {"params": {**ref, "checkpoint": 2}})
-    run_deployment(stack, "reload-engines/reload-engines", {"params": {**ref, "version": 1}})
     store = store_of(finished_run, "e2e")
+    run_maintenance(stack, "reload-engines/reload-engines", **ref, version=1)
     assert store.serving_versions() == {0: 1, 1: 1}
-    run_deployment(stack, "verify-engines/verify-engines", {"params": ref})
-    run_deployment(stack, "gc-versions/gc-versions", {"params": {**ref, "keep_last": 2}})
-    assert {1, 2} <= set(store.committed_versions())  # v1 is served, v2 is the newest
+    run_maintenance(stack, "verify-engines/verify-engines", **ref)
+    run_maintenance(stack, "gc-versions/gc-versions", **ref, keep_last=1)
+    assert store.committed_versions() == [1, 2]  # v1 is served, v2 is the newest
+    assert store.committed_checkpoints() == [2]
+    # v2's folder is lost; its checkpoint is kept: publish it again from there.
+    shutil.rmtree(store.local_version_dir(2))
+    run_maintenance(stack, "publish-weights/publish-weights", **ref, checkpoint=2)
+    assert store.committed_versions() == [1, 2]
+    lease = store.read_lease()
+    assert lease is None or lease.released  # every maintenance run released it
+    for deployment, says in [
+        ("reload-engines/reload-engines", "engine 1 of run 'e2e' serves v1 (was v2)"),
+        ("verify-engines/verify-engines", "engine 0 of run 'e2e' serves v1, as recorded"),
+        ("gc-versions/gc-versions", "deleted versions [0] and checkpoints [1]"),
+        ("gc-versions/gc-versions", "kept v1 beyond keep_last: served by engine 0"),
+        ("publish-weights/publish-weights", "published checkpoint 2 of run 'e2e' as v2"),
+    ]:
+        [run] = flow_runs(client, deployment)
+        assert "e2e" in run.tags  # each run carries the run name: the UI filters by it
+        assert says in flow_run_logs(client, run.id)
     # A later training iteration continues from the ledger, not from the rollback.
     run_deployment(
         stack,
         "rl-training/tiny-cpu",
-        {"params": {"overrides": overrides(stack, finished_run, "e2e"), "extra_iterations": 1}},
+        training(overrides=overrides(stack, finished_run, "e2e"), extra_iterations=1),
     )
     batch = store.read_rollouts(3)
     assert {s["weight_version"] for s in batch["samples"]} == {2}
     assert store.committed_versions()[-1] == 3
 
 
+def test_a_bad_parameter_is_refused_before_any_flow_run(stack, client, finished_run):
+    before = len(flow_runs(client, "gc-versions/gc-versions"))
+    out = run_maintenance(
+        stack, "gc-versions/gc-versions", check=False, run_name="e2e", keep_last=0
+    )
+    assert out.returncode != 0
+    assert "less than the minimum of 1" in out.stdout + out.stderr
+    assert len(flow_runs(client, "gc-versions/gc-versions")) == before
+
+
 @pytest.mark.parametrize(
-    "deployment, params, message",
+    "flow_name, params, message",
     [
-        (
-            "gc-versions/gc-versions",
-            {"run_name": "e2e", "keep_last": 0},
-            "less than the minimum of 1",
-        ),
-        ("verify-engines/verify-engines", {"run_name": "no-such-run"}, "no run 'no-such-run'"),
-        (
-            "reload-engines/reload-engines",
-            {"run_name": "e2e", "version": 99},
-            "version 99 of run 'e2e' is not committed",
-        ),
+        ("verify_engines_flow", {"run_name": "no-such-run"}, "no run 'no-such-run'"),
+        ("reload_engines_flow", {"version": 99}, "version 99 of run 'e2e' is not committed"),
+        ("publish_weights_flow", {"checkpoint": 99}, "checkpoint 99 of run 'e2e' is not committed"),
     ],
 )
-def test_bad_input_is_refused_before_work(stack, client, finished_run, deployment, params, message):
-    params = {"storage_root": str(finished_run), **params}
-    out = run_deployment(stack, deployment, {"params": params}, check=False)
-    assert out.returncode != 0
-    text = out.stdout + out.stderr
-    if message not in text:  # the flow failed: its message is in the flow run's state
-        runs = [r for r in flow_runs(client, deployment) if r.state and r.state.is_failed()]
-        text += " ".join(r.state.message or "" for r in runs)
-    assert message in text
+def test_bad_input_is_refused_before_the_lease(
+    prefect_api, finished_run, flow_name, params, message
+):
+    # In this process (the maintenance deployments above ran the same flows in the
+    # worker): the refusal comes before the lease, Ray or any engine is touched.
+    from flows import maintenance_flows
+
+    store = store_of(finished_run, "e2e")
+    before = store.read_lease()
+    flow = getattr(maintenance_flows, flow_name)
+    state = flow(
+        **{"run_name": "e2e", "storage_root": str(finished_run), **params}, return_state=True
+    )
+    assert state.is_failed()
+    assert message in state.message
+    assert store.read_lease() == before  # never taken

@@ -18,7 +18,7 @@ import pytest
 
 from flows.config import load_config
 from flows.driver import run_plain
-from tests.e2e.services import kill_session
+from tests.e2e.services import kill_session, session_pids
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ def reference(ray_cluster, tmp_path_factory) -> dict[str, str]:
 
 def test_retries_heal_every_step(ray_cluster, prefect_api, reference, tmp_path):
     """Every step once by an exception and once by its killed actor, in one run."""
-    from flows.rl_training import TrainingParams, rl_training
+    from flows.rl_training import rl_training
 
     plans = {"exception": PLAN, "kill_actor": KILL_PLAN}
     assert not set(PLAN.items()) & set(KILL_PLAN.items())  # no two faults at one point
@@ -84,7 +84,7 @@ def test_retries_heal_every_step(ray_cluster, prefect_api, reference, tmp_path):
         for s, k in plan.items()
     ]
     over = overrides(tmp_path, "faults-retried", faults)
-    state = rl_training(TrainingParams(config_path=BASE, overrides=over), return_state=True)
+    state = rl_training(config_path=BASE, overrides=over, return_state=True)
     assert state.is_completed(), state
     from storage.run_store import RunStore
 
@@ -97,21 +97,48 @@ def test_retries_heal_every_step(ray_cluster, prefect_api, reference, tmp_path):
     assert_records_complete(store)
 
 
-def test_sigkilled_flow_process_resumes(prefect_api, reference, tmp_path):
+def describe(pids: list[int]) -> str:
+    out = []
+    for pid in pids:
+        try:
+            out.append(f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()[:120]!r}")
+        except OSError:
+            pass
+    return "\n".join(out)
+
+
+def wait_for_empty_session(sid: int, timeout: float = 90) -> list[int]:
+    """The processes left in session ``sid`` once they stop ending (or ``timeout`` passed)."""
+    deadline = time.monotonic() + timeout
+    while (left := session_pids(sid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def test_sigkilled_flow_process_resumes_and_leaves_nothing_running(
+    ray_cluster, prefect_api, reference, tmp_path
+):
+    """Each step's SIGKILL, then a rerun. The first run is a user's first command: no
+    PREFECT_API_URL (Prefect's temporary server) and a local Ray cluster; everything it
+    started ends with it. The later runs join the session's server and Ray cluster."""
+    from engines.group import EngineGroup
+
     faults = [{"step": s, "iteration": k, "kind": "sigkill"} for s, k in PLAN.items()]
     over = overrides(tmp_path, "faults-sigkill", faults)
-    env = {**os.environ, "PREFECT_API_URL": prefect_api}
     cli = [str(Path(sys.executable).parent / "prefect-rl"), "run", BASE]
     for key, value in over.items():
         cli += ["--set", f"{key}={json.dumps(value)}"]  # JSON is YAML
+    alone = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    alone["PREFECT_HOME"] = str(tmp_path / "prefect-home")  # no profile's server either
+    shared = {**os.environ, "PREFECT_API_URL": prefect_api}
+    joined = ["--set", f"ray.address={ray_cluster.get_runtime_context().gcs_address}"]
     codes = []
-    for _ in range(len(PLAN) + 2):
-        # No pause between runs: the new run itself waits out the dead holder's lease
-        # (storage.lease_ttl_s) before it takes the run over.
+    for attempt in range(len(PLAN) + 2):
+        first = attempt == 0
         proc = subprocess.Popen(
-            cli,
+            cli if first else cli + joined,
             cwd=ROOT,
-            env=env,
+            env=alone if first else shared,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -119,19 +146,28 @@ def test_sigkilled_flow_process_resumes(prefect_api, reference, tmp_path):
         )
         try:
             _, err = proc.communicate(timeout=600)
+            left = wait_for_empty_session(proc.pid) if first else []
         finally:
             proc.kill()
-            kill_session(proc.pid)  # whatever of the killed run's local Ray cluster outlived it
+            kill_session(proc.pid)
         codes.append(proc.returncode)
+        if first:
+            # The temporary Prefect server, the local Ray cluster (GCS, raylet,
+            # agents, workers) and the engines all ended with the killed run.
+            assert proc.returncode == -9, err[-3000:]
+            assert left == [], f"left running after the SIGKILL:\n{describe(left)}"
         if proc.returncode == 0:
             break
         assert proc.returncode == -9, err[-3000:]
     assert codes == [-9] * len(PLAN) + [0], codes
     from storage.run_store import RunStore
 
-    store = RunStore(load_config(BASE, over).storage, over["run.name"])
+    cfg = load_config(BASE, over)
+    store = RunStore(cfg.storage, over["run.name"])
     assert final_weights(store) == reference
     assert_records_complete(store)
+    # On a cluster at ray.address the engines outlive the run (they serve its last version).
+    EngineGroup(cfg.run.name, cfg.engines, namespace=cfg.ray.namespace).shutdown()
 
 
 def test_release_after_publish_gives_the_same_weights(ray_cluster, reference, tmp_path):
@@ -152,7 +188,7 @@ def test_storage_outage_longer_than_retries_then_rerun(
 
     from moto.server import ThreadedMotoServer
 
-    from flows.rl_training import TrainingParams, rl_training
+    from flows.rl_training import rl_training
     from storage.run_store import RunStore
     from tests.s3_server import fake_aws_env, free_port, make_bucket
 
@@ -185,7 +221,7 @@ def test_storage_outage_longer_than_retries_then_rerun(
 
         watcher = threading.Thread(target=stop_when_train_2_commits, daemon=True)
         watcher.start()
-        state = rl_training(TrainingParams(config_path=BASE, overrides=over), return_state=True)
+        state = rl_training(config_path=BASE, overrides=over, return_state=True)
         watcher.join(timeout=5)
         assert stopped.is_set()
         assert state.is_failed(), state
@@ -197,7 +233,7 @@ def test_storage_outage_longer_than_retries_then_rerun(
                 store.pull_version(v, str(tmp_path / "verify-cache"))
             for c in store.committed_checkpoints():
                 store.verify_checkpoint(c)
-            state = rl_training(TrainingParams(config_path=BASE, overrides=over), return_state=True)
+            state = rl_training(config_path=BASE, overrides=over, return_state=True)
             assert state.is_completed(), state
             assert final_weights(store) == reference
             assert_records_complete(store)

@@ -99,15 +99,18 @@ def test_the_runs_local_ray_cluster_listens_on_loopback_only():
     assert exposed == [], f"Ray servers listening beyond loopback: {exposed}"
 
 
-def flow_run_count() -> int:
+def flow_run_count(run: str) -> int:
+    """Flow runs of ``run`` (the session's server holds other tests' runs too)."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
     with get_client(sync_client=True) as client:
-        return len(client.read_flow_runs(limit=200))
+        named = FlowRunFilter(name=FlowRunFilterName(like_=f"{run}:"))
+        return len(client.read_flow_runs(flow_run_filter=named))
 
 
 def test_cli_refuses_credentials_in_the_root_before_any_flow_run(prefect_api, tmp_path, capsys):
-    before = flow_run_count()
+    before = flow_run_count("tiny-cpu")
     code = main(
         [
             "run",
@@ -122,7 +125,7 @@ def test_cli_refuses_credentials_in_the_root_before_any_flow_run(prefect_api, tm
     assert code == 2
     assert "contains credentials" in err
     assert "verysecret0123" not in err and "AKIAEXAMPLEKEY" not in err
-    assert flow_run_count() == before  # nothing of it reached the Prefect database
+    assert flow_run_count("tiny-cpu") == before  # nothing of it reached the Prefect database
 
 
 def test_cli_disables_ray_auth_only_for_its_own_local_cluster(tmp_path, monkeypatch, capsys):
