@@ -48,6 +48,15 @@ def write_model(out: Path, size_mb: int, dtype: str) -> Path:
     return out
 
 
+def cached_model(size_mb: int, dtype: str) -> Path:
+    """``write_model`` once per (size, dtype) under the temp folder: the profile and
+    the bench of one session share it."""
+    out = Path(tempfile.gettempdir()) / "prefect-rl-bench-models" / f"{size_mb}mb-{dtype}"
+    if not (out / "config.json").exists():
+        write_model(out, size_mb, dtype)
+    return out
+
+
 def device_copy_s(nbytes: int, cuda: bool, repeats: int) -> float:
     import torch
 
@@ -82,7 +91,7 @@ def bench_size(
     from training.group import TrainGroup
 
     base = Path(tempfile.mkdtemp(prefix="bench-transport-"))
-    model_dir = write_model(base / "model", size_mb, dtype)
+    model_dir = cached_model(size_mb, dtype)
     run = f"bench-transport-{uuid.uuid4().hex[:6]}"
     storage = StorageConfig(root=str(base / "runs"))
     sections = TrainerSections(

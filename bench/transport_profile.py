@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -176,7 +175,7 @@ def main() -> None:
     import ray
     import torch
 
-    from bench.transport import device_copy_s, write_model
+    from bench.transport import cached_model, device_copy_s
 
     if not ray.is_initialized():
         ray.init(
@@ -186,7 +185,7 @@ def main() -> None:
         )
     rows = []
     for size in args.size_mb:
-        d = write_model(Path(tempfile.mkdtemp()) / "m", size, args.dtype)
+        d = cached_model(size, args.dtype)
         opts = {"num_gpus": args.gpus, "num_cpus": 1}
         prod = ray.remote(Producer).options(**opts).remote(str(d), args.dtype)
         cons = ray.remote(Consumer).options(**opts).remote(str(d), args.dtype)

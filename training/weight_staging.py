@@ -140,6 +140,7 @@ class Staging:
             )
         self.metadata = [metas[d] for d in order]
         self.path: str | None = None
+        self._views: list[torch.Tensor] | None = None
         if device.type == "cuda":
             self.flats = [torch.empty(sizes[d], dtype=d, device=device) for d in order]
             self._ipc = [_ipc_bytes(f) for f in self.flats]
@@ -164,8 +165,12 @@ class Staging:
             self.flats.append(buf[o : o + n].view(d))
 
     def _view(self, i: int) -> torch.Tensor:
-        part, start, end = self.where[i]
-        return self.flats[part][start:end].view(self.layout.slots[i].shape)
+        if self._views is None:  # made once: an update should not pay for ~300 views
+            self._views = [
+                self.flats[p][a:b].view(s.shape)
+                for (p, a, b), s in zip(self.where, self.layout.slots)
+            ]
+        return self._views[i]
 
     @torch.no_grad()
     def fill(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -227,7 +232,7 @@ class Staging:
     def close(self) -> None:
         """Drop the buffers (receivers that still hold them keep the memory alive until
         they see a new key) and unlink the segment."""
-        self.flats, self._ipc = [], []
+        self.flats, self._ipc, self._views = [], [], None
         if self.path is not None:
             try:
                 os.unlink(self.path)
