@@ -86,18 +86,72 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each next token, [B, T-1], and optionally the entropy of each
     next-token distribution. Computed in float32 whatever the model dtype.
-    The entropy keeps no graph unless ``entropy_grad`` (it is a [B, T, V] product)."""
+    The entropy keeps no graph unless ``entropy_grad`` (it is a [B, T, V] product).
+
+    ``packed``: run the right-padded rows as one row of their real tokens
+    (``pack_rows``) and give the result back in the padded layout, 0 on padding.
+    Same values as the padded forward up to float rounding."""
+    if packed:
+        return _packed_token_logprobs(model, input_ids, attention_mask, with_entropy, entropy_grad)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    lp = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return _next_token_stats(logits[:, :-1], input_ids[:, 1:], with_entropy, entropy_grad)
+
+
+def _next_token_stats(
+    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of ``targets`` under ``logits`` [..., V] and optionally the entropy."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = -(logp.exp() * logp).sum(-1)
     return lp, entropy
+
+
+def pack_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded rows [B, T] as one row [1, N] of their tokens, with position ids
+    [1, N] restarting at 0 per sample, and ``keep`` [N-1]: the packed next-token
+    positions that stay inside one sample (a sample's last token must not predict
+    the next sample's first).
+
+    HF's mask builder (``transformers.masking_utils``) reads restarting position
+    ids with no attention mask as packed samples and builds the block-diagonal
+    causal mask itself, for sdpa and eager attention alike."""
+    lengths = attention_mask.sum(dim=1)
+    flat = input_ids[attention_mask.bool()].unsqueeze(0)
+    positions = torch.cat([torch.arange(int(n), device=input_ids.device) for n in lengths])
+    keep = torch.ones(flat.shape[1], dtype=torch.bool, device=input_ids.device)
+    keep[torch.cumsum(lengths, 0) - 1] = False  # each sample's last token
+    return flat, positions.unsqueeze(0), keep[:-1]
+
+
+def _packed_token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    flat, positions, keep = pack_rows(input_ids, attention_mask)
+    logits = model(input_ids=flat, position_ids=positions, use_cache=False).logits
+    lp, ent = _next_token_stats(logits[0, :-1][keep], flat[0, 1:][keep], with_entropy, entropy_grad)
+    # Row-major boolean indexing walks the padded targets in the packed order.
+    targets = attention_mask[:, 1:].bool()
+
+    def unpack(values: torch.Tensor) -> torch.Tensor:
+        out = values.new_zeros(targets.shape)
+        out[targets] = values
+        return out
+
+    return unpack(lp), (unpack(ent) if ent is not None else None)
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

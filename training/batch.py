@@ -1,8 +1,10 @@
 """Turn a persisted RolloutBatch into training tensors, and split them.
 
 Owns the token layout of a train batch (padding, next-token shift, loss mask)
-and the deterministic split over ranks and micro-batches. Never runs a model
-and never reads storage.
+and the deterministic split over ranks and micro-batches (by rows, or by a
+token budget balanced across ranks). Never runs a model and never reads
+storage; packing the rows of a micro-batch into one is the backend's
+(``backend_torch.pack_rows``), since it is a forward-pass layout.
 
 Layout for a sample with prompt P and response R (lengths p, r)::
 
@@ -14,13 +16,14 @@ Layout for a sample with prompt P and response R (lengths p, r)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
 
 from rollout.types import RolloutBatch
 from training.algorithm import filter_loss_mask, sample_advantages
-from training.config import LossConfig
+from training.config import LossConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -101,3 +104,73 @@ def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
         batch.rows(i, min(i + micro_batch_size, batch.size))
         for i in range(0, batch.size, micro_batch_size)
     ]
+
+
+def token_cost(lengths: Sequence[int], packed: bool) -> int:
+    """Tokens a forward over these rows processes: their sum when packed, else
+    rows x the longest (the padded [B, T] block the model really runs)."""
+    if not lengths:
+        return 0
+    return sum(lengths) if packed else len(lengths) * max(lengths)
+
+
+def budget_ranges(
+    lengths: Sequence[int], max_rows: int, max_tokens: int | None, packed: bool
+) -> list[tuple[int, int]]:
+    """Consecutive row ranges [start, end): each closes before the next row would
+    pass ``max_rows`` or ``max_tokens`` (``token_cost``). Greedy and in order, so
+    the split is a function of the lengths alone (determinism); a row longer
+    than the budget gets a range of its own rather than failing the step."""
+    ranges: list[tuple[int, int]] = []
+    start = 0
+    for end in range(1, len(lengths) + 1):
+        rows = end - start
+        over = max_tokens is not None and token_cost(lengths[start:end], packed) > max_tokens
+        if rows > 1 and (rows > max_rows or over):
+            ranges.append((start, end - 1))
+            start = end - 1
+    if start < len(lengths):
+        ranges.append((start, len(lengths)))
+    return ranges
+
+
+def split_to(ranges: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
+    """``ranges`` split until there are ``count``: the range with most rows (the
+    first on ties) is halved, so a rank with fewer micro-batches matches the others."""
+    out = list(ranges)
+    while len(out) < count:
+        i = max(range(len(out)), key=lambda j: (out[j][1] - out[j][0], -j))
+        a, b = out[i]
+        if b - a < 2:
+            raise ValueError(f"cannot split {ranges} into {count} micro-batches")
+        out[i : i + 1] = [(a, (a + b) // 2), ((a + b) // 2, b)]
+    return out
+
+
+def rank_micro_batches(
+    full: TrainBatch, dp_rank: int, dp_size: int, cfg: TrainConfig
+) -> list[TrainBatch]:
+    """The micro-batches of data-parallel rank ``dp_rank`` of ``full``.
+
+    Without ``cfg.max_tokens_per_micro_batch`` these are ``micro_batches`` of
+    the rank's rows. With it, micro-batches are also cut by a token budget
+    (``budget_ranges``, counting packed tokens when ``cfg.pack_sequences``);
+    every rank plans every rank's split from the same full batch (no
+    communication) and splits its own to the largest count, because FSDP
+    collectives pair up one forward/backward per micro-batch on every rank.
+    """
+    max_tokens, packed = cfg.max_tokens_per_micro_batch, cfg.pack_sequences
+    micro_batch_size = cfg.micro_batch_size
+    if max_tokens is None:
+        start, end = rank_slice(full.size, dp_rank, dp_size)
+        return micro_batches(full.rows(start, end), micro_batch_size)
+    lengths = full.attention_mask.sum(dim=1).tolist()
+    plans = []
+    for r in range(dp_size):
+        start, end = rank_slice(full.size, r, dp_size)
+        plans.append(
+            (start, budget_ranges(lengths[start:end], micro_batch_size, max_tokens, packed))
+        )
+    start, own = plans[dp_rank]
+    own = split_to(own, max(len(p) for _, p in plans))
+    return [full.rows(start + a, start + b) for a, b in own]

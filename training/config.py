@@ -133,10 +133,30 @@ class TrainConfig(BaseModel):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    micro_batch_size: int = Field(64, ge=1)
+    micro_batch_size: int = Field(64, ge=1, description="Max samples per micro-batch")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=2,
+        description="Cut micro-batches by a token budget as well (padded rows x longest, or "
+        "the sum of lengths when packed); a longer sample runs alone. None: rows only",
+    )
+    pack_sequences: bool = Field(
+        False,
+        description="Run each micro-batch as one row of its samples without padding "
+        "(position ids restart per sample, block-diagonal causal mask); torch backend only",
+    )
     release_after_publish: bool = False
     loss: LossConfig = LossConfig()
     megatron: MegatronConfig = MegatronConfig()
+
+    @model_validator(mode="after")
+    def _check_packing(self) -> TrainConfig:
+        if self.pack_sequences and self.backend != "torch":
+            raise ValueError(
+                f"train.pack_sequences needs backend: torch (the {self.backend} backend runs "
+                "padded rows); set pack_sequences: false or backend: torch"
+            )
+        return self
 
 
 class ModelConfig(BaseModel):

@@ -43,6 +43,8 @@ TRAINER_KEYS = {
     "train.weight_decay",
     "train.grad_clip",
     "train.micro_batch_size",
+    "train.max_tokens_per_micro_batch",
+    "train.pack_sequences",
     "train.loss.kind",
     "train.loss.advantage",
     "train.loss.clip_eps",
