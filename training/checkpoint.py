@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import io
 import random
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import safetensors.torch
 import torch
 from torch import nn
 
+from storage.safetensors_io import write_safetensors
 from training.backend_torch import full_model_state, full_optim_state, load_full_state
 from training.export import tensor_entry
 
@@ -45,19 +48,37 @@ def save(
     optim_sd = full_optim_state(model, optim)
     if rank != 0:
         return None
-    from storage.safetensors_io import write_safetensors
-
     writer = store.checkpoint_writer(k)
-    with writer.open(MODEL_FILE) as f:
-        write_safetensors(f, [tensor_entry(n, t) for n, t in model_sd.items()], {"format": "pt"})
-    # torch.save into memory first: the store's stream need not be seekable.
-    for name, obj in ((OPTIM_FILE, optim_sd), (RNG_FILE, rng_state())):
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        with writer.open(name) as f:
-            f.write(buf.getvalue())
+    write_files(
+        writer,
+        [
+            (MODEL_FILE, lambda f: write_model_file(f, model_sd)),
+            (OPTIM_FILE, lambda f: torch.save(optim_sd, f)),
+            (RNG_FILE, lambda f: torch.save(rng_state(), f)),
+        ],
+    )
     writer.commit(meta)
     return meta
+
+
+def write_model_file(f: Any, model_sd: dict[str, torch.Tensor]) -> None:
+    write_safetensors(f, [tensor_entry(n, t) for n, t in model_sd.items()], {"format": "pt"})
+
+
+def write_files(writer: Any, files: list[tuple[str, Callable[[Any], None]]]) -> None:
+    """Write each (name, produce) through ``writer``, two files at a time: each file's
+    sha256 runs on its own helper thread, so the model file and the optimizer state
+    (the two big ones) are hashed and written side by side. ``torch.save`` streams
+    straight into the writer (it needs no seek), with no copy in memory first."""
+
+    def one(item: tuple[str, Callable[[Any], None]]) -> None:
+        name, produce = item
+        with writer.open(name) as f:
+            produce(f)
+
+    with ThreadPoolExecutor(2, thread_name_prefix="ckpt-write") as pool:
+        for fut in [pool.submit(one, item) for item in files]:
+            fut.result()
 
 
 def load(store: Any, k: int, model: nn.Module, optim: torch.optim.Optimizer) -> dict:

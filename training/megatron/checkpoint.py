@@ -24,8 +24,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training.checkpoint import MODEL_FILE, OPTIM_FILE, RNG_FILE, rng_state, set_rng_state
-from training.export import tensor_entry
+from training.checkpoint import (
+    MODEL_FILE,
+    OPTIM_FILE,
+    RNG_FILE,
+    rng_state,
+    set_rng_state,
+    write_files,
+    write_model_file,
+)
 from training.megatron.model import full_hf_state, load_hf_state
 
 
@@ -65,17 +72,17 @@ def save(
         optim_ranks = [optim_sd]
     if dist.get_rank() != 0:
         return None
-    from storage.safetensors_io import write_safetensors
-
     writer = store.checkpoint_writer(k)
-    with writer.open(MODEL_FILE) as f:
-        write_safetensors(f, [tensor_entry(n, t) for n, t in model_sd.items()], {"format": "pt"})
     rng = {**rng_state(), "megatron_cuda_tracker": _tracker_states()}
-    for name, obj in ((OPTIM_FILE, {"tensor_parallel": tp, "ranks": optim_ranks}), (RNG_FILE, rng)):
-        buf = io.BytesIO()  # the store's stream need not be seekable
-        torch.save(obj, buf)
-        with writer.open(name) as f:
-            f.write(buf.getvalue())
+    optim_obj = {"tensor_parallel": tp, "ranks": optim_ranks}
+    write_files(
+        writer,
+        [
+            (MODEL_FILE, lambda f: write_model_file(f, model_sd)),
+            (OPTIM_FILE, lambda f: torch.save(optim_obj, f)),
+            (RNG_FILE, lambda f: torch.save(rng, f)),
+        ],
+    )
     meta = {**meta, "backend": "megatron", "tensor_parallel": tp}
     writer.commit(meta)
     return meta
