@@ -1,9 +1,13 @@
 """Orchestration overhead: the same iterations through the plain-Python driver
-and through the Prefect flow (RayTaskRunner), over the same Ray actors.
+and through the Prefect flow, over the same Ray actors, beside Prefect's floor.
 
-Iterations 1..N run with the plain driver, then N+1..2N of the same run with
-``rl_training``: one Ray cluster, the same named engine and train actors. The
+One run: iterations 1..N with the plain driver, N+1..2N with ``rl_training``
+(each step a task run on the flow's thread pool), then 2N+1..3N with the plain
+driver again (a second baseline block, so machine noise hits both sides). The
 per-iteration work is identical, so the difference is Prefect's overhead.
+
+Prefect's floor: a flow run that walks the same plan (the same number of task
+runs per iteration, the same options: persisted results, cache keys, retries) with tasks that do nothing. What Prefect costs above that floor is ours.
 
     .venv/bin/python -m bench.orchestration --iterations 5   (as a module: bench/rollout.py would shadow the rollout package)
 """
@@ -17,60 +21,127 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def plain_block(ctx, ks: range) -> list[float]:
+    from flows.driver import run_iteration
+
+    out = []
+    for k in ks:
+        t0 = time.perf_counter()
+        run_iteration(ctx, k)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def prefect_floor(ctx, n: int) -> list[float]:
+    """Seconds per iteration of the plan walked with no-op task runs (see module doc)."""
+    from prefect import flow, task
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from flows.iteration import result_storage
+    from tasks import plan
+
+    @task(name="noop", persist_result=True)
+    def noop(k: int, node_id: str) -> dict[str, Any]:
+        return {"k": k, "node": node_id}
+
+    @flow(name="prefect-floor", task_runner=ThreadPoolTaskRunner(max_workers=32))
+    def floor_flow() -> list[float]:
+        storage = result_storage(ctx)
+        seconds = []
+        for k in range(1, n + 1):
+            t0 = time.perf_counter()
+
+            def start(node, done):
+                t = noop.with_options(
+                    task_run_name=f"floor:{node.id}",
+                    cache_key_fn=lambda _c, p: f"floor/{time.time_ns()}/{p['node_id']}",
+                    result_storage=storage,
+                    retries=ctx.cfg.tasks.retries,
+                )
+                return t.submit(node.k, node.id)
+
+            plan.walk(plan.iteration_plan(ctx, k), start)
+            seconds.append(time.perf_counter() - t0)
+        return seconds
+
+    return floor_flow()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--config", default="configs/tiny-cpu.yaml")
+    ap.add_argument("--set", action="append", default=[], help="extra dotted overrides")
     args = ap.parse_args()
     n = args.iterations
 
-    from flows.config import load_config
-    from flows.driver import run_iteration
-    from flows.rl_training import TrainingParams, rl_training
+    from flows.config import load_config, parse_override
+    from flows.rl_training import rl_training
     from tasks.prepare import prepare_run
 
     root = tempfile.mkdtemp(prefix="bench-orch-")
     overrides = {
         "run.name": "bench-orch",
         "storage.root": root,
-        "run.iterations": n,
+        "run.iterations": 3 * n,
         "run.save_interval": 1000,
+        **dict(parse_override(s) for s in args.set),
     }
     cfg = load_config(args.config, overrides)
     ctx = prepare_run(cfg)
-    plain: list[float] = []
-    for k in range(1, n + 1):
-        t0 = time.perf_counter()
-        run_iteration(ctx, k)
-        plain.append(time.perf_counter() - t0)
+    plain = plain_block(ctx, range(1, n + 1))
     ctx.store.release_lease(ctx.owner)
 
     t0 = time.perf_counter()
-    out = rl_training(
-        TrainingParams(config_path=args.config, overrides={**overrides, "run.iterations": 2 * n})
-    )
+    out = rl_training(config_path=args.config, overrides={**overrides, "run.iterations": 2 * n})
     flow_total = time.perf_counter() - t0
     assert out["iterations"] == list(range(n + 1, 2 * n + 1)), out
-    # The first iteration of each driver pays one-off costs (actor creation for
-    # the plain driver; Ray task workers importing torch for the flow): medians skip it.
     flow_iters = out["seconds"]
+
+    ctx = prepare_run(cfg)
+    plain += plain_block(ctx, range(2 * n + 1, 3 * n + 1))
+    floor = prefect_floor(ctx, n)
+    ctx.store.release_lease(ctx.owner)
+    ctx.trainer().shutdown()
+    ctx.engines().shutdown()
+
+    # The first iteration of each block pays one-off costs (actor creation, the
+    # flow's first task runs): medians skip it.
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs[1:] or xs)
+
     row = {
         "iterations": n,
-        "plain_s_per_iter_median": statistics.median(plain[1:] or plain),
-        "prefect_s_per_iter_median": statistics.median(flow_iters[1:] or flow_iters),
+        "overrides": args.set,
+        "plain_s_per_iter_median": statistics.median(plain[1:n] + plain[n + 1 :]),
+        "prefect_s_per_iter_median": med(flow_iters),
+        "prefect_floor_s_per_iter_median": med(floor),
         "prefect_flow_total_s": flow_total,
+        "plain_s": plain,
+        "prefect_s": flow_iters,
+        "floor_s": floor,
+        "loadavg": os.getloadavg(),
     }
-    row["ratio"] = row["prefect_s_per_iter_median"] / row["plain_s_per_iter_median"]
-    row["overhead_s_per_iter"] = row["prefect_s_per_iter_median"] - row["plain_s_per_iter_median"]
-    print("| driver | s/iteration (median, first excluded) |\n|---|---|")
-    print(f"| plain Python | {row['plain_s_per_iter_median']:.2f} |")
-    print(f"| Prefect flow + RayTaskRunner | {row['prefect_s_per_iter_median']:.2f} |")
-    print(f"| ratio Prefect / plain | {row['ratio']:.2f}x (+{row['overhead_s_per_iter']:.2f} s) |")
+    p, f, q = (
+        row["plain_s_per_iter_median"],
+        row["prefect_floor_s_per_iter_median"],
+        row["prefect_s_per_iter_median"],
+    )
+    row["ratio"] = q / p
+    row["overhead_s_per_iter"] = q - p
+    row["above_floor_s_per_iter"] = q - p - f
+    print("| driver | s/iteration (median, first of each block excluded) |\n|---|---|")
+    print(f"| plain Python (threads) | {p:.3f} |")
+    print(f"| Prefect flow (thread task runner) | {q:.3f} |")
+    print(f"| Prefect's floor: the same task runs doing nothing | {f:.3f} |")
+    print(f"| ratio Prefect / plain | {row['ratio']:.2f}x (+{q - p:.3f} s) |")
+    print(f"| Prefect's cost above its floor | {row['above_floor_s_per_iter']:+.3f} s |")
     print(f"| whole flow run incl. start, {n} iterations | {flow_total:.1f} s |")
     Path("bench/results").mkdir(parents=True, exist_ok=True)
     Path("bench/results/orchestration.json").write_text(json.dumps(row, indent=2))

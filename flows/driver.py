@@ -7,23 +7,29 @@ is the baseline of ``bench/orchestration.py``. It has no retries and no UI.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from flows.config import RunConfig
 from flows.progress import iteration_line
-from tasks import runner, steps
+from tasks import plan, runner, steps
 from tasks.context import RunContext
 from tasks.lease import LeaseKeeper
 from tasks.prepare import prepare_run
 
 
 def run_iteration(ctx: RunContext, k: int) -> dict[str, Any]:
-    """Walk ``steps.ITERATION`` in order (per-engine steps engine by engine), then commit."""
-    results: dict[str, Any] = {}
-    for step in steps.ITERATION:
-        for e in step.engine_ids(ctx):
-            results[step.key(e)] = runner.run(ctx, step, k, e)
-    return runner.run(ctx, steps.FINISH, k, results=results)
+    """Walk iteration k's plan on threads, as the flow does on its task runner
+    (a node starts once what it waits for succeeded); returns the metrics row."""
+
+    def start(node: plan.Node, done: dict[str, Any]):
+        inputs = plan.node_inputs(node, done)
+        return pool.submit(runner.run, ctx, node.step, node.k, node.engine_id, **inputs)
+
+    nodes = plan.iteration_plan(ctx, k)
+    with ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix=f"iter{k}") as pool:
+        results = plan.walk(nodes, start)
+    return results[f"{steps.FINISH.key()}@{k}"]
 
 
 def run_plain(

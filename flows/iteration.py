@@ -1,4 +1,4 @@
-"""One RL iteration k as a Prefect flow of tasks.
+"""One RL iteration k as task runs of the ``rl-training`` flow run.
 
     weights v(k-1) on engines
             │
@@ -10,24 +10,36 @@
             │
       publish[k] ──► weights/v{k}            (HF safetensors, manifest last = commit)
             │
-   reload[k, e] for each engine e            (mapped: one task run per engine, retried alone)
+   reload[k, e] for each engine e            (one task run per engine, retried alone)
             │
    verify[k, e] for each engine e            (engine e serves "k", else the task fails)
             │
       finish[k]  ──► metrics row + ledger/iter_k/iteration.json (the iteration's commit)
 
-The DAG is ``tasks.steps.ITERATION``, written once; this flow and the plain
-driver (``flows/driver.py``) both walk it. Each arrow waits for the one above
-it. Every step gets the same cross-cutting concerns from ``tasks.runner.run``:
-ledger first, timing, its colocation turn, its fault-injection point, warnings
-collected, the commit. Prefect adds retries, timeouts and the result cache
-(``{run}/{k}/{step}``) through ``_opts``; verify alone is never cached.
-Nothing but storage URIs and small records passes between tasks. Colocated (``placement.colocate``), train ranks
-and engines take turns on shared devices: each step first wakes the side it
-works with and puts the other to sleep (``tasks.colocate``). Shutdown: when
-healthy, ``rl_training`` ends the actors after the last iteration. After a
-crash nothing needs cleaning by hand: a rerun finds the first uncommitted step
-in the ledger and heals from storage.
+With ``rollout.max_staleness: 1``, rollout[k+1] runs beside train[k] on v(k-1)
+and reload[k] waits for it (``tasks.plan`` draws both shapes). The DAG is
+``tasks.plan.iteration_plan``, written once; this module and the plain driver
+(``flows/driver.py``) both hand it to ``tasks.plan.walk``, which starts a node
+when what it waits for has succeeded, so a failed step leaves no task run
+waiting behind it. Every step gets the same cross-cutting concerns from
+``tasks.runner.run``: ledger first, timing, its colocation turn, its
+fault-injection point, warnings, the commit. Prefect adds retries and the
+result cache (``{run}/{k}/{step}``) through ``_opts``; verify alone is never
+cached. The step's deadline (``tasks.timeout_s``) is enforced where it waits.
+
+Steps drive Ray actors; they run on the flow's thread pool in the flow process
+(the Ray driver), not as Ray tasks: their work is on the actors already, and a
+Ray task per step cost ~0.35 s of Prefect and Ray overhead each. An iteration
+is not a subflow either: a Prefect 3.9 subflow costs ~0.3 s to create and
+joins its heartbeat thread, which sleeps in 1 s steps, at its end. An
+iteration is recognisable in the UI by its task-run names (``<run>:train[k=3]``;
+a rollout made ahead is ``rollout[k=4]`` among iteration 3's task runs). Task
+runs carry no per-iteration tag: Prefect treats every tag as a concurrency-limit
+name and a new one cost ~2 s on this machine.
+
+Shutdown: when healthy, ``rl_training`` ends the actors after the last
+iteration. After a crash nothing needs cleaning by hand: a rerun finds the
+first uncommitted step in the ledger and heals from storage.
 """
 
 from __future__ import annotations
@@ -35,30 +47,43 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from prefect import flow, unmapped
-
-from flows.artifacts import iteration_table
 from storage.fs import is_local
-from tasks import rl_tasks, steps
+from tasks import plan, rl_tasks, steps
 from tasks.context import RunContext
 
 
-def _opts(ctx: RunContext, t, retries: bool = True):
+def run_iteration(ctx: RunContext, k: int) -> dict[str, Any]:
+    """Run iteration k's plan as task runs of the current flow run; its results by
+    node id (``train@3``, ``reload-e0@3``, ...) and the metrics row as ``row``."""
+
+    def start(node: plan.Node, done: dict[str, Any]):
+        task = _opts(ctx, rl_tasks.TASKS[node.step.name], audit=node.step.audit)
+        per_engine = {"engine_id": node.engine_id} if node.step.per_engine else {}
+        return task.submit(ctx, node.k, **per_engine, **plan.node_inputs(node, done))
+
+    results = plan.walk(plan.iteration_plan(ctx, k), start)
+    return {**results, "row": results[f"{steps.FINISH.key()}@{k}"]}
+
+
+def _opts(ctx: RunContext, t, audit: bool):
     policy = ctx.cfg.tasks
     return t.with_options(
-        retries=policy.retries if retries else 0,
+        retries=policy.retries,
         retry_delay_seconds=policy.retry_delay_s,
-        timeout_seconds=policy.timeout_s,
-        persist_result=True,
-        result_storage=result_storage(ctx),
+        # No timeout_seconds: Prefect cannot interrupt a thread blocked on an actor.
+        # tasks.timeout_s is the deadline of every wait inside the step instead
+        # (``engines.deadline``), which fails the task so that Prefect retries it.
+        # An audit (verify) looks at the engines now: its result is never reused.
+        persist_result=not audit,
+        result_storage=None if audit else result_storage(ctx),
     )
 
 
 def result_storage(ctx: RunContext):
     """Persisted task results live under the run root, beside the ledger.
 
-    Task runs on Ray workers need the block saved server-side; it is saved once
-    per flow process under a name derived from the run's URL.
+    Prefect wants the block saved server-side; it is saved once per flow process
+    under a name derived from the run's URL.
     """
     url = f"{ctx.store.url}/prefect-results"
     if url in _saved_storage:
@@ -79,24 +104,3 @@ def result_storage(ctx: RunContext):
 
 
 _saved_storage: dict[str, object] = {}
-
-
-@flow(name="rl-iteration", flow_run_name="{ctx.run_name}:iter[k={k}]", log_prints=True)
-def rl_iteration(ctx: RunContext, k: int) -> dict[str, Any]:
-    futures: dict[str, Any] = {}
-    upstream: Any = None  # the futures of the step before: one, or one per engine
-    for step in steps.ITERATION:
-        task = _opts(ctx, rl_tasks.TASKS[step.name])
-        if step.per_engine:
-            engines = step.engine_ids(ctx)
-            # Per engine after per engine: engine e waits for its own upstream only.
-            wait = {"upstream": upstream if isinstance(upstream, list) else unmapped(upstream)}
-            upstream = task.map(unmapped(ctx), k, engines, **wait)
-            futures.update({step.key(e): f for e, f in zip(engines, upstream)})
-        else:
-            wait = {} if upstream is None else {"upstream": upstream}
-            upstream = futures[step.key()] = task.submit(ctx, k, **wait)
-    results = {key: fut.result() for key, fut in futures.items()}
-    row = _opts(ctx, rl_tasks.finish_iteration).submit(ctx, k, results).result()
-    iteration_table(ctx.run_name, k, row)
-    return {**results, "row": row}

@@ -1,38 +1,41 @@
-"""``rl_training``: the whole run as a Prefect flow of ``rl_iteration`` subflows.
+"""``rl_training``: the whole run as one Prefect flow run of step task runs.
 
 It prepares the run (lease, run.json, v0), finds the resume point in the
-ledger, and runs the remaining iterations on prefect-ray's RayTaskRunner.
-A finished run reports that it is complete and does nothing.
+ledger, and runs the remaining iterations (``flows.iteration``), each step a
+task run on the flow's thread pool. A finished run reports that it is
+complete, says how to continue it, and does nothing.
 """
-
-from __future__ import annotations
 
 import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect_ray import RayTaskRunner
+from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ConfigDict, Field
 
 from flows import artifacts
 from flows.config import RunConfig, load_config
-from flows.iteration import rl_iteration
+from flows.iteration import run_iteration
+from flows.params import takes
 from flows.progress import iteration_line, summary
+from flows.run_tags import tag_flow_run
 from tasks import steps
 from tasks.lease import LeaseKeeper
 from tasks.prepare import prepare_run
 
+DEFAULT_CONFIG = "configs/tiny-cpu.yaml"
+
 
 class TrainingParams(BaseModel):
-    """Parameters of ``rl-training`` (rendered as a form in the Prefect UI)."""
+    """Parameters of ``rl-training``: top-level flow parameters (``flows.params.takes``),
+    e.g. ``prefect deployment run 'rl-training/tiny-cpu' --param extra_iterations=2``,
+    rendered as the UI form."""
 
     model_config = ConfigDict(extra="forbid")
 
-    config_path: str = Field(
-        "configs/tiny-cpu.yaml", title="Config file", description="YAML run config"
-    )
+    config_path: str = Field(DEFAULT_CONFIG, title="Config file", description="YAML run config")
     overrides: dict[str, Any] = Field(
-        default_factory=dict,
+        {},  # a plain default: flow parameters cannot carry a default_factory
         title="Overrides",
         description='Dotted keys, e.g. {"run.iterations": 30, "run.name": "exp1"}',
     )
@@ -52,36 +55,28 @@ def _run_name() -> str:
     """Flow run name ``<run>:training``, read from the parameters being run."""
     from prefect.runtime import flow_run
 
-    params = flow_run.parameters.get("params") or {}
-    if isinstance(params, BaseModel):
-        params = params.model_dump()
-    overrides = params.get("overrides") or {}
-    name = overrides.get("run.name")
+    params = flow_run.parameters
+    name = (params.get("overrides") or {}).get("run.name")
     if name is None:
         try:
-            name = load_config(params.get("config_path", "configs/tiny-cpu.yaml")).run.name
+            name = load_config(params.get("config_path", DEFAULT_CONFIG)).run.name
         except ValueError:
             name = "invalid-config"
     return f"{name}:training"
 
 
-def _tag_flow_run(run_name: str) -> None:
-    """Tag this flow run with the run name, so the UI can filter a run's history."""
-    from prefect.client.orchestration import get_client
-    from prefect.runtime import flow_run
-
-    with get_client(sync_client=True) as client:
-        current = client.read_flow_run(flow_run.id)
-        if run_name not in current.tags:
-            client.update_flow_run(flow_run.id, tags=[*current.tags, run_name])
-
-
-@flow(name="rl-training", flow_run_name=_run_name, log_prints=True)
-def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
-    params = params or TrainingParams()
+@flow(
+    name="rl-training",
+    flow_run_name=_run_name,
+    log_prints=True,
+    # Steps drive Ray actors from the flow process (the Ray driver): threads, not Ray tasks.
+    task_runner=ThreadPoolTaskRunner(max_workers=32),
+)
+@takes(TrainingParams)
+def rl_training(params: TrainingParams) -> dict[str, Any]:
     logger = get_run_logger()
     cfg = load_config(params.config_path, params.overrides)
-    _tag_flow_run(cfg.run.name)
+    tag_flow_run(cfg.run.name)
     if params.extra_iterations:
         cfg = continued(cfg, params.extra_iterations)
     ctx = prepare_run(cfg, force_lease=params.force_lease)
@@ -92,23 +87,30 @@ def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     with LeaseKeeper(ctx) as keeper:
         if start > total:
-            logger.info("run %r is complete (%d iterations); nothing to do", cfg.run.name, total)
+            logger.info(
+                "run %r is complete (%d iterations); nothing to do. To continue it, raise "
+                "run.iterations (--set run.iterations=%d) or pass extra_iterations",
+                cfg.run.name,
+                total,
+                total + 10,
+            )
         else:
             logger.info(
                 "run %r: iterations %d..%d (store %s)", cfg.run.name, start, total, ctx.store.url
             )
-        iteration = rl_iteration.with_options(task_runner=RayTaskRunner(address=cfg.ray.address))
         progress = artifacts.start_progress(cfg.run.name, start - 1, total)
         step_seconds: dict[str, float] = {}
-        for k in range(start, total + 1):
-            keeper.check()  # another writer took the run over: stop before the next iteration
-            t_iter = time.perf_counter()
-            out = iteration(ctx, k)
-            seconds.append(time.perf_counter() - t_iter)
-            rows.append(out["row"])
-            add_step_seconds(ctx, step_seconds, out)
-            print(iteration_line(out["row"], total))
-            artifacts.update_progress(progress, k, total)
+        with artifacts.Reporter() as report:
+            for k in range(start, total + 1):
+                keeper.check()  # another writer took the run over: stop before the next one
+                t_iter = time.perf_counter()
+                out = run_iteration(ctx, k)
+                seconds.append(time.perf_counter() - t_iter)
+                rows.append(out["row"])
+                add_step_seconds(step_seconds, out)
+                print(iteration_line(out["row"], total))
+                report.submit(artifacts.iteration_table, cfg.run.name, k, out["row"])
+                report.submit(artifacts.update_progress, progress, k, total)
         artifacts.run_summary(ctx, rows, step_seconds)
         if rows:
             # The trainer's devices are freed. Engines stay up on a persistent
@@ -126,13 +128,12 @@ def rl_training(params: TrainingParams | None = None) -> dict[str, Any]:
     }
 
 
-def add_step_seconds(ctx, totals: dict[str, float], out: dict[str, Any]) -> None:
-    """Add one iteration's step times (per-engine steps summed) to ``totals``."""
-    for step in steps.ITERATION:
-        for e in step.engine_ids(ctx):
-            result = out[step.key(e)]
-            if "step_s" in result:
-                totals[step.name] = totals.get(step.name, 0.0) + result["step_s"]
+def add_step_seconds(totals: dict[str, float], out: dict[str, Any]) -> None:
+    """Add one iteration's step times (per-engine steps summed, by step name) to ``totals``."""
+    for node_id, result in out.items():
+        if node_id != "row" and isinstance(result, dict) and "step_s" in result:
+            name = node_id.split("@")[0].split("-e")[0]
+            totals[name] = totals.get(name, 0.0) + result["step_s"]
 
 
 def continued(cfg: RunConfig, extra: int) -> RunConfig:

@@ -14,9 +14,16 @@ _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    task: str = Field("reverse", description="Builtin task name or a path to a JSONL file")
-    input_key: str = Field("prompt", description="JSONL field with the prompt text")
-    label_key: str = Field("label", description="JSONL field with the reference answer")
+    task: str = Field(
+        "reverse", description="Builtin task name or a path to a .jsonl or .parquet file"
+    )
+    input_key: str = Field("prompt", description="Dataset field with the prompt text")
+    label_key: str = Field("label", description="Dataset field with the reference answer")
+    chat_template: bool = Field(
+        False,
+        description="Send each prompt as the user turn of the tokenizer's chat template "
+        "(with the generation prompt); a tokenizer without one is refused",
+    )
     reward: str = Field("match", description="Builtin reward name or module:function")
     trusted_reward_modules: list[str] = Field(
         default_factory=list,
@@ -27,6 +34,13 @@ class RolloutConfig(BaseModel):
     max_new_tokens: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=1,
+        description="0: on-policy (rollout k on v(k-1)); 1: rollout k+1 on v(k-1) runs beside "
+        "train[k], and the loss's importance ratio uses the engines' logprobs",
+    )
 
     @model_validator(mode="after")
     def _check_reward(self) -> RolloutConfig:

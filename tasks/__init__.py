@@ -1,9 +1,9 @@
 """tasks: the steps of an RL iteration and the Prefect tasks that run them.
 
-Read ``tasks/steps.py`` (each step's declaration and logic, and ``ITERATION``,
-the DAG written once) and ``tasks/runner.py`` (every cross-cutting concern a
-step gets: ledger first, timing, colocation turn, fault point, warnings,
-commit). ``rl_tasks`` / ``maintenance`` are the Prefect tasks; ``engines``
+Read ``tasks/steps.py`` (each step's declaration and logic), ``tasks/plan.py``
+(one iteration's DAG, written once, and ``walk``, which runs it) and
+``tasks/runner.py`` (every cross-cutting concern a step gets: ledger first,
+timing, colocation turn, fault point, warnings, commit). ``rl_tasks`` / ``maintenance`` are the Prefect tasks; ``engines``
 holds the weight transports and engine glue, ``colocate`` the device turns,
 ``verify`` the one version check, ``types`` the typed records.
 

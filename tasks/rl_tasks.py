@@ -18,9 +18,8 @@ from prefect.cache_policies import NO_CACHE
 from tasks import runner, steps
 from tasks.context import RunContext
 
-# ``upstream`` is the result of the step before. Passing it as a parameter (not
-# only as wait_for) lets Ray itself hold a task until its upstream finished, so
-# a task never occupies a Ray worker while it waits; it is not part of any key.
+# The flow starts a task only once what it waits for has succeeded
+# (``tasks.plan.walk``), so tasks take no upstream futures.
 
 
 def _logged(step: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +58,7 @@ def rollout(ctx: RunContext, k: int) -> dict[str, Any]:
 @task(
     name="train", task_run_name="{ctx.run_name}:train[k={k}]", cache_key_fn=_ledger_key(steps.TRAIN)
 )
-def train(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, Any]:
+def train(ctx: RunContext, k: int) -> dict[str, Any]:
     return _logged("train", runner.run(ctx, steps.TRAIN, k))
 
 
@@ -68,7 +67,7 @@ def train(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, Any]:
     task_run_name="{ctx.run_name}:save[k={k}]",
     cache_key_fn=_ledger_key(steps.SAVE),
 )
-def save_checkpoint(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, Any]:
+def save_checkpoint(ctx: RunContext, k: int) -> dict[str, Any]:
     return _logged("save_checkpoint", runner.run(ctx, steps.SAVE, k))
 
 
@@ -77,7 +76,7 @@ def save_checkpoint(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, 
     task_run_name="{ctx.run_name}:publish[k={k}]",
     cache_key_fn=_ledger_key(steps.PUBLISH),
 )
-def publish_weights(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, Any]:
+def publish_weights(ctx: RunContext, k: int) -> dict[str, Any]:
     return _logged("publish_weights", runner.run(ctx, steps.PUBLISH, k))
 
 
@@ -86,7 +85,7 @@ def publish_weights(ctx: RunContext, k: int, upstream: Any = None) -> dict[str, 
     task_run_name="{ctx.run_name}:reload[k={k},engine={engine_id}]",
     cache_key_fn=_ledger_key(steps.RELOAD),
 )
-def reload_engine(ctx: RunContext, k: int, engine_id: int, upstream: Any = None) -> dict[str, Any]:
+def reload_engine(ctx: RunContext, k: int, engine_id: int) -> dict[str, Any]:
     return _logged("reload_engine", runner.run(ctx, steps.RELOAD, k, engine_id))
 
 
@@ -97,7 +96,7 @@ def reload_engine(ctx: RunContext, k: int, engine_id: int, upstream: Any = None)
     task_run_name="{ctx.run_name}:verify[k={k},engine={engine_id}]",
     cache_policy=NO_CACHE,
 )
-def verify_engine(ctx: RunContext, k: int, engine_id: int, upstream: Any = None) -> dict[str, Any]:
+def verify_engine(ctx: RunContext, k: int, engine_id: int) -> dict[str, Any]:
     return _logged("verify_engine", runner.run(ctx, steps.VERIFY, k, engine_id))
 
 
@@ -110,7 +109,7 @@ def finish_iteration(ctx: RunContext, k: int, results: dict[str, dict[str, Any]]
     return _logged("finish_iteration", runner.run(ctx, steps.FINISH, k, results=results))
 
 
-# Each declaration's Prefect task: the flow walks ``steps.ITERATION`` through it.
+# Each declaration's Prefect task: ``flows.iteration`` starts the plan's nodes through it.
 TASKS = {
     steps.ROLLOUT.name: rollout,
     steps.TRAIN.name: train,

@@ -4,8 +4,9 @@ Every step is a ``tasks.runner.Step``: its ledger key, colocation turn, fault
 point and phases (``skip`` / ``ready`` / ``work``). ``tasks.runner.run``
 applies the cross-cutting concerns (ledger first, timing, colocation turns,
 fault injection, warnings, the commit); the functions here do the step itself.
-``ITERATION`` is the DAG, written once: ``flows/iteration.py`` (Prefect) and
-``flows/driver.py`` (plain Python) both walk it. No Prefect in here.
+``tasks.plan`` orders them into one iteration's DAG, written once:
+``flows/iteration.py`` (Prefect) and ``flows/driver.py`` (plain Python) both
+walk it. No Prefect in here.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tasks.verify import check_serves, now, rollout_version
 
 __all__ = [
     "FINISH",
-    "ITERATION",
+    "STEPS",
     "VersionMismatch",
     "finish_iteration",
     "first_unfinished",
@@ -32,6 +33,7 @@ __all__ = [
     "publish_weights",
     "reload_engine",
     "rollout",
+    "rollout_source",
     "save_checkpoint",
     "save_due",
     "train",
@@ -60,8 +62,15 @@ def _rollout_saved(ctx, k: int) -> Result | None:
     return summary(RolloutBatch.from_json(saved), gen_s=None, reused=True)
 
 
-def _engines_serve_previous(ctx, k: int, engine_id: int | None) -> list[str]:
-    v = target_version(ctx, k - 1)
+def rollout_source(ctx, k: int) -> int:
+    """The iteration whose weights generate rollout k: k-1 on-policy, k-1-s with
+    ``rollout.max_staleness`` s (never before the base model, iteration 0). A
+    function of the config, never of timing: a resumed run regenerates the same batch."""
+    return max(k - 1 - ctx.cfg.rollout.max_staleness, 0)
+
+
+def _engines_serve_source(ctx, k: int, engine_id: int | None) -> list[str]:
+    v = target_version(ctx, rollout_source(ctx, k))
     group = ctx.engines()
     for i in range(ctx.cfg.engines.num_engines):
         ensure_engine_serves(ctx, group, i, v)
@@ -69,7 +78,7 @@ def _engines_serve_previous(ctx, k: int, engine_id: int | None) -> list[str]:
 
 
 def _generate(ctx, k: int, engine_id: int | None) -> Result:
-    v = target_version(ctx, k - 1)
+    v = target_version(ctx, rollout_source(ctx, k))
     group = ctx.engines()
     transport = transport_for(ctx)
 
@@ -189,8 +198,8 @@ def _verify(ctx, k: int, engine_id: int) -> Result:
         when=f" after iteration {k}",
         fix="rerun reload_engines for this iteration",
     )
-    # Rollout k was generated with what engines served after iteration k-1.
-    expected = transport_for(ctx).version_after(ctx, k - 1)
+    # Rollout k was generated with what engines served after iteration rollout_source(k).
+    expected = transport_for(ctx).version_after(ctx, rollout_source(ctx, k))
     sampled = rollout_version(ctx, k)
     if sampled is not None and sampled != expected:
         raise VersionMismatch(
@@ -232,7 +241,7 @@ ROLLOUT = Step(
     kill="engine",
     turn="rollout",
     skip=_rollout_saved,
-    ready=_engines_serve_previous,
+    ready=_engines_serve_source,
 )
 TRAIN = Step(
     "train",
@@ -279,8 +288,8 @@ VERIFY = Step(
 )
 FINISH = Step("iteration", "finish_iteration", _finish)  # the iteration's commit
 
-# The DAG of one iteration, in order; each step waits for the one before it.
-ITERATION: tuple[Step, ...] = (ROLLOUT, TRAIN, SAVE, PUBLISH, RELOAD, VERIFY)
+# Every step of an iteration, in the order of the on-policy chain (``tasks.plan`` is the DAG).
+STEPS: tuple[Step, ...] = (ROLLOUT, TRAIN, SAVE, PUBLISH, RELOAD, VERIFY)
 
 
 # -- the steps as plain calls (tests, bench and older callers) ----------------------

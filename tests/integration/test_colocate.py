@@ -61,11 +61,11 @@ FAULTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["disk", "tensor"])
 def test_colocated_steps_take_turns_through_the_flow(ray_cluster, prefect_api, tmp_path, transport):
-    from flows.rl_training import TrainingParams, rl_training
+    from flows.rl_training import rl_training
 
     name = f"colo-{transport}"
     overrides = _overrides(tmp_path, name, **{"weights.transport": transport, "faults": FAULTS})
-    state = rl_training(TrainingParams(config_path=CONFIG, overrides=overrides), return_state=True)
+    state = rl_training(config_path=CONFIG, overrides=overrides, return_state=True)
     assert state.is_completed(), state
     assert state.result()["iterations"] == [1, 2]
 

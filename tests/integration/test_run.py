@@ -83,7 +83,7 @@ def test_publish_writes_manifest_last(ray_cluster, tmp_path):
 
 
 def test_flow_run_on_ray_task_runner(ray_cluster, prefect_api, tmp_path):
-    from flows.rl_training import TrainingParams, rl_training
+    from flows.rl_training import rl_training
 
     overrides = {
         "run.name": "flow",
@@ -95,9 +95,7 @@ def test_flow_run_on_ray_task_runner(ray_cluster, prefect_api, tmp_path):
         "engines.num_cpus_per_engine": 0.5,
         "train.num_cpus_per_worker": 0.5,
     }
-    state = rl_training(
-        TrainingParams(config_path="configs/tiny-cpu.yaml", overrides=overrides), return_state=True
-    )
+    state = rl_training(config_path="configs/tiny-cpu.yaml", overrides=overrides, return_state=True)
     assert state.is_completed(), state
     out = state.result()
     assert out["iterations"] == [1, 2]
@@ -117,5 +115,5 @@ def test_flow_run_on_ray_task_runner(ray_cluster, prefect_api, tmp_path):
             "iteration",
         } <= set(store.committed_steps(k))
     # a finished run reports complete and does nothing
-    again = rl_training(TrainingParams(config_path="configs/tiny-cpu.yaml", overrides=overrides))
+    again = rl_training(config_path="configs/tiny-cpu.yaml", overrides=overrides)
     assert again["iterations"] == []

@@ -46,10 +46,10 @@ def _sha(group, e: int) -> str:
 
 @pytest.mark.parametrize("transport", ["tensor", "distributed"])
 def test_in_memory_transport_through_the_flow(ray_cluster, prefect_api, tmp_path, transport):
-    from flows.rl_training import TrainingParams, rl_training
+    from flows.rl_training import rl_training
 
     overrides = _overrides(tmp_path, transport)
-    state = rl_training(TrainingParams(config_path=CONFIG, overrides=overrides), return_state=True)
+    state = rl_training(config_path=CONFIG, overrides=overrides, return_state=True)
     assert state.is_completed(), state
     assert state.result()["iterations"] == [1, 2, 3]
 

@@ -84,10 +84,10 @@ def test_per_engine_keys_and_audit_records(tmp_path):
 def test_the_iteration_is_declared_once():
     from tasks import rl_tasks, steps
 
-    names = [s.name for s in steps.ITERATION]
+    names = [s.name for s in steps.STEPS]
     assert names == ["rollout", "train", "save", "publish", "reload", "verify"]
     assert set(rl_tasks.TASKS) == {*names, "iteration"}
-    assert [s.name for s in steps.ITERATION if s.per_engine] == ["reload", "verify"]
-    assert [s.name for s in steps.ITERATION if s.audit] == ["verify"]
+    assert [s.name for s in steps.STEPS if s.per_engine] == ["reload", "verify"]
+    assert [s.name for s in steps.STEPS if s.audit] == ["verify"]
     # every fault point of the e2e matrix is declared by exactly one step
-    assert sorted(s.fault for s in steps.ITERATION) == sorted(names)
+    assert sorted(s.fault for s in steps.STEPS) == sorted(names)
