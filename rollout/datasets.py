@@ -1,4 +1,4 @@
-"""Prompt sources: builtin synthetic tasks and JSONL files.
+"""Prompt sources (builtin synthetic tasks, JSONL and Parquet files) and prompt encoding.
 
 The batch of iteration k is a pure function of (seed, k): builtin tasks derive
 prompt i from (seed, i), and JSONL datasets walk a per-epoch permutation. That
@@ -12,6 +12,7 @@ import json
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rollout.config import RolloutConfig
 from rollout.types import Prompt
@@ -48,13 +49,34 @@ class DatasetError(ValueError):
     """A dataset the user must fix; the message names the file, line and fix."""
 
 
+def _prompt(row: object, where: str, input_key: str, label_key: str, index: int) -> Prompt:
+    """One dataset row as a Prompt; ``where`` ("file:line" or "file: row n") starts
+    every error, so a bad row out of millions is found at once."""
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    values = []
+    for key, what in ((input_key, "rollout.input_key"), (label_key, "rollout.label_key")):
+        if key not in row:
+            raise DatasetError(
+                f"{where}: missing key {key!r}; it has {sorted(row)}; set {what} to the right field"
+            )
+        value = row[key]
+        if value is None:
+            raise DatasetError(f"{where}: key {key!r} is null; fill it in or drop the row")
+        # The prompt must be text; a label may be a number (compared as its text).
+        allowed = (str,) if key == input_key else (str, int, float)
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            raise DatasetError(
+                f"{where}: key {key!r} is a {type(value).__name__}, expected "
+                f"{'a string' if key == input_key else 'a string or a number'}"
+            )
+        values.append(str(value))
+    return Prompt(index=index, text=values[0], label=values[1])
+
+
 def load_jsonl(path: str | Path, input_key: str, label_key: str) -> list[Prompt]:
+    """Prompts of a JSONL file: one JSON object per line, blank lines skipped."""
     p = Path(path)
-    if not p.is_file():
-        raise DatasetError(
-            f"rollout.task {str(p)!r} is neither a builtin task ({', '.join(BUILTIN_TASKS)}) "
-            "nor an existing JSONL file"
-        )
     prompts: list[Prompt] = []
     for lineno, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():
@@ -65,19 +87,73 @@ def load_jsonl(path: str | Path, input_key: str, label_key: str) -> list[Prompt]
             raise DatasetError(
                 f"{p}:{lineno}: not valid JSON ({e.msg}); one JSON object per line"
             ) from None
-        if not isinstance(row, dict):
-            raise DatasetError(f"{p}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        for key, what in ((input_key, "rollout.input_key"), (label_key, "rollout.label_key")):
-            if key not in row:
-                raise DatasetError(
-                    f"{p}:{lineno}: missing key {key!r}; it has {sorted(row)}; set {what} to the right field"
-                )
-        prompts.append(
-            Prompt(index=len(prompts), text=str(row[input_key]), label=str(row[label_key]))
+        prompts.append(_prompt(row, f"{p}:{lineno}", input_key, label_key, len(prompts)))
+    return prompts
+
+
+def load_parquet(path: str | Path, input_key: str, label_key: str) -> list[Prompt]:
+    """Prompts of a Parquet file, one per row (rows numbered from 1 in errors)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError(
+            f"{path}: reading Parquet needs pyarrow; pip install 'prefect-rl[data]'"
+        ) from None
+    p = Path(path)
+    try:
+        table = pq.read_table(p)
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise DatasetError(f"{p}: not a readable Parquet file ({e})") from None
+    for key, what in ((input_key, "rollout.input_key"), (label_key, "rollout.label_key")):
+        if key not in table.column_names:
+            raise DatasetError(
+                f"{p}: no column {key!r}; it has {table.column_names}; set {what} to the right column"
+            )
+    rows = table.select([input_key, label_key]).to_pylist()
+    return [_prompt(r, f"{p}: row {i}", input_key, label_key, i - 1) for i, r in enumerate(rows, 1)]
+
+
+LOADERS: dict[str, Callable[[str | Path, str, str], list[Prompt]]] = {
+    ".jsonl": load_jsonl,
+    ".json": load_jsonl,
+    ".parquet": load_parquet,
+}
+
+
+def load_prompts(path: str | Path, input_key: str, label_key: str) -> list[Prompt]:
+    """Prompts of a dataset file, by its suffix (``LOADERS``); never empty."""
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(
+            f"rollout.task {str(p)!r} is neither a builtin task ({', '.join(BUILTIN_TASKS)}) "
+            f"nor an existing dataset file ({', '.join(LOADERS)})"
         )
+    loader = LOADERS.get(p.suffix.lower())
+    if loader is None:
+        raise DatasetError(
+            f"{p}: unknown dataset format {p.suffix!r}; give a {' or '.join(LOADERS)} file"
+        )
+    prompts = loader(p, input_key, label_key)
     if not prompts:
         raise DatasetError(f"{p}: the dataset is empty")
     return prompts
+
+
+def encode_prompt(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
+    """Token ids of a prompt. With ``chat_template`` the text is the user turn of
+    the tokenizer's chat template, ending in the assistant's generation prompt;
+    the template writes its own special tokens, so none are added on top."""
+    if not chat_template:
+        return list(tokenizer(text)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise DatasetError(
+            f"rollout.chat_template is on, but the tokenizer of {tokenizer.name_or_path!r} "
+            "has no chat template; set rollout.chat_template: false for a base model"
+        )
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
 class PromptSource:
@@ -87,7 +163,7 @@ class PromptSource:
         self.cfg, self.seed = cfg, seed
         self._rows: list[Prompt] | None = None
         if cfg.task not in BUILTIN_TASKS:
-            self._rows = load_jsonl(cfg.task, cfg.input_key, cfg.label_key)
+            self._rows = load_prompts(cfg.task, cfg.input_key, cfg.label_key)
 
     def batch(self, k: int) -> list[Prompt]:
         if k < 1:

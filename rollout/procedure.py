@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollout.config import RolloutConfig
-from rollout.datasets import PromptSource
+from rollout.datasets import PromptSource, encode_prompt
 from rollout.rewards import load_reward
 from rollout.seeding import sample_seed
 from rollout.types import RolloutBatch, Sample
@@ -70,7 +70,7 @@ def generate_batch(
     reward_fn = load_reward(cfg.reward, cfg.trusted_reward_modules)
     prompts = PromptSource(cfg, seed).batch(k)
     n = cfg.n_samples_per_prompt
-    prompt_ids = [tokenizer(p.text)["input_ids"] for p in prompts]
+    prompt_ids = [encode_prompt(tokenizer, p.text, cfg.chat_template) for p in prompts]
     seeds = [[sample_seed(seed, k, p.index, j) for j in range(n)] for p in prompts]
     t0 = time.perf_counter()
     groups = generate_groups(prompt_ids, n, sampling_params(cfg), seeds, restart_fn=restart)
