@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engines.config import EngineConfig, PlacementConfig
 from rollout.config import RolloutConfig
 from storage.config import StorageConfig
+from tasks.tracking import TrackingConfig
 from training.config import ModelConfig, TrainConfig, WeightsConfig
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -29,6 +30,11 @@ class RunSection(BaseModel):
     seed: int = Field(0, ge=0)
     save_interval: int = Field(
         5, ge=1, description="Checkpoint every N iterations (and at the end)"
+    )
+    async_save: bool = Field(
+        True,
+        description="Write checkpoints in the background from a host copy while the run goes "
+        "on (the last one, and every one with train.release_after_publish, before the step ends)",
     )
 
     @model_validator(mode="after")
@@ -57,7 +63,9 @@ class TaskPolicy(BaseModel):
     timeout_s: float = Field(1800.0, gt=0)
 
 
-FaultStep = Literal["rollout", "train", "save", "publish", "reload", "verify"]
+# save_background: inside the background checkpoint write (exception: the write fails;
+# kill_actor: train rank 0 dies while it writes; sigkill: the flow process dies meanwhile).
+FaultStep = Literal["rollout", "train", "save", "save_background", "publish", "reload", "verify"]
 
 
 class FaultSpec(BaseModel):
@@ -84,6 +92,7 @@ class RunConfig(BaseModel):
     weights: WeightsConfig = WeightsConfig()
     ray: RaySection = RaySection()
     tasks: TaskPolicy = TaskPolicy()
+    tracking: TrackingConfig = TrackingConfig()
     faults: list[FaultSpec] = Field(
         default_factory=list, description="Fault injection (tests only)"
     )

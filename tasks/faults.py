@@ -44,24 +44,34 @@ def maybe_fail(ctx, step: str, k: int, kill=None) -> None:
     ``kill`` kills the Ray actor behind the step (kind ``kill_actor``); the step
     then runs on and meets the dead actor as it would in a real crash.
     """
+    fault = take(ctx, step, k)
+    if fault is not None:
+        fire(ctx, fault, kill)
+
+
+def take(ctx, step: str, k: int) -> FaultSpec | None:
+    """The fault targeting (step, k) if it has attempts left, its attempt counted
+    (in storage, so any process that retries sees it); None otherwise. For a fault
+    point inside a step's work, such as a background write (``save_background``)."""
     for fault in active_faults(ctx.cfg.faults):
-        if fault.step == step and fault.iteration == k:
-            _fire(ctx, fault, kill)
+        if fault.step != step or fault.iteration != k:
+            continue
+        marker = f"{ctx.store.url}/faults/{step}-{k:06d}-{fault.kind}"
+        fs = ctx.store.fs
+        count = int(fs.cat_file(marker).decode()) if fs.exists(marker) else 0
+        if count >= fault.times:
+            continue
+        fs.makedirs(f"{ctx.store.url}/faults", exist_ok=True)
+        fs.pipe_file(marker, str(count + 1).encode())
+        return fault
+    return None
 
 
-def _fire(ctx, fault: FaultSpec, kill) -> None:
+def fire(ctx, fault: FaultSpec, kill=None) -> None:
+    """Make ``fault`` happen: raise, kill the actor (``kill``), or SIGKILL the flow process."""
     step, k = fault.step, fault.iteration
-    marker = f"{ctx.store.url}/faults/{step}-{k:06d}-{fault.kind}"
-    fs = ctx.store.fs
-    count = int(fs.cat_file(marker).decode()) if fs.exists(marker) else 0
-    if count >= fault.times:
-        return
-    fs.makedirs(f"{ctx.store.url}/faults", exist_ok=True)
-    fs.pipe_file(marker, str(count + 1).encode())
     if fault.kind == "exception":
-        raise InjectedFault(
-            f"injected fault at {step}[k={k}] (attempt {count + 1} of {fault.times})"
-        )
+        raise InjectedFault(f"injected fault at {step}[k={k}] (up to {fault.times} attempts)")
     if fault.kind == "kill_actor":
         if kill is None:
             raise InjectedFault(f"injected fault at {step}[k={k}]: no actor to kill")

@@ -107,6 +107,7 @@ def _execute(ctx, step: Step, k: int, engine_id: int | None, inputs: dict[str, A
         if step.fault is not None:
             maybe_fail(ctx, step.fault, k, kill=_kill_target(ctx, step, engine_id))
     result = step.work(ctx, k, engine_id, **inputs)
+    warnings += result.pop("warnings", None) or []
     extra: Result = {**colocate.recorded(memory)}
     if warnings:
         extra["warnings"] = warnings

@@ -17,8 +17,8 @@ from typing import Any
 
 from rollout.procedure import VersionMismatch, generate_batch, summary
 from rollout.types import RolloutBatch
-from tasks import colocate, runner
-from tasks.engines import ensure_engine_serves, target_version, transport_for
+from tasks import colocate, faults, runner
+from tasks.engines import ensure_engine_serves, kill_train_rank0, target_version, transport_for
 from tasks.runner import Step
 from tasks.types import VerifyRecord
 from tasks.verify import check_serves, now, rollout_version
@@ -137,9 +137,23 @@ def _save_skipped(ctx, k: int) -> Result | None:
 
 
 def _save(ctx, k: int, engine_id: int | None) -> Result:
+    """Checkpoint k, in the background unless it is the run's last (or actors are
+    released after publish, which needs it on storage): recovery never waits for
+    it, as a restore falls back to the newest committed checkpoint and replays."""
+    background = ctx.cfg.run.async_save and not _is_last(ctx, k)
+    background = background and not ctx.cfg.train.release_after_publish
+    fault = faults.take(ctx, "save_background", k) if background else None
     t0 = time.perf_counter()
-    ctx.trainer().save(k)
-    return {"saved": True, "save_s": time.perf_counter() - t0}
+    trainer = ctx.trainer()
+    meta = trainer.save(k, background=background, fail_background=_fails_write(fault)) or {}
+    if fault is not None and not _fails_write(fault):
+        faults.fire(ctx, fault, kill=lambda: kill_train_rank0(trainer))  # while it writes
+    out = {"saved": True, "background": background, "save_s": time.perf_counter() - t0}
+    return {**out, "warnings": list(meta.get("warnings") or [])}
+
+
+def _fails_write(fault) -> bool:
+    return fault is not None and fault.kind == "exception"
 
 
 def publish_due(ctx, k: int) -> bool:

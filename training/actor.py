@@ -23,6 +23,7 @@ from rollout.types import RolloutBatch
 from training import backend_torch as bt
 from training import checkpoint
 from training.algorithm import policy_loss
+from training.background_save import BackgroundSaver
 from training.batch import build_train_batch, rank_micro_batches
 from training.config import RunIdentity, TrainerSections
 from training.export import drop_tied, manifest_dict, write_hf_weights
@@ -60,6 +61,7 @@ class TrainActor:
         self.pad_id = 0
         self._iteration: int | None = None
         self._stores: dict[int | None, Any] = {}  # by fence
+        self._saver = BackgroundSaver()  # background checkpoint writes (save_checkpoint)
 
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:
@@ -117,16 +119,37 @@ class TrainActor:
         return self._iteration
 
     def save_checkpoint(
-        self, k: int, meta_extra: dict | None = None, fence: int | None = None
+        self,
+        k: int,
+        meta_extra: dict | None = None,
+        fence: int | None = None,
+        background: bool = False,
+        fail_background: bool = False,
     ) -> dict | None:
-        """Collective. Rank 0 commits ``checkpoints/iter_k`` (fenced) and returns its meta."""
+        """Collective. Rank 0 commits ``checkpoints/iter_k`` (fenced) and returns its meta.
+
+        ``background``: the state is copied to host memory now and written by a
+        thread (``training.background_save``); the meta says so and carries the
+        failures of earlier background writes as ``warnings``. ``fail_background``
+        fails that write on purpose (fault injection)."""
         self._require_at(k, "save_checkpoint")
+        warnings = self.wait_saved()  # one write in flight at a time
         store = self.store(fence)
         if k in store.committed_checkpoints():  # committed checkpoints are never rewritten
             return store.read_checkpoint_meta(k) if self.rank == 0 else None
         meta = {"iteration": k, "weights_version": k, "seed": self.seed, **(meta_extra or {})}
         meta["world_size"] = self.world_size
-        return checkpoint.save(store, k, self.model, self.optim, self.rank, meta)
+        snap = checkpoint.snapshot(self.model, self.optim, self.rank, copy=background)
+        if snap is None:
+            return None
+        if not background:
+            return {**checkpoint.write(store, k, snap, meta), "warnings": warnings}
+        self._saver.start(k, lambda: checkpoint.write(store, k, snap, meta), fail_background)
+        return {**meta, "background": True, "warnings": warnings}
+
+    def wait_saved(self) -> list[str]:
+        """Wait for the background checkpoint write in flight; failures since last asked."""
+        return self._saver.wait()
 
     def export_hf(
         self, version: int, iteration: int, parent: int | None, fence: int | None = None
@@ -249,16 +272,26 @@ class TrainActor:
         return drop_tied(self.model, bt.full_model_state(self.model))
 
     def _reference_logprobs(self, mbs: list) -> tuple[list, list]:
-        """Old logprobs from the current weights (ratio starts at 1) and reference
-        logprobs when the KL term is on; no autograd graph kept."""
+        """Old logprobs and reference logprobs (when the KL term is on); no autograd graph.
+
+        On-policy (``rollout.max_staleness: 0``) the old logprobs come from the
+        current weights, which generated the batch, so the ratio starts at 1.
+        Off-policy they are the engines' own logprobs: the batch came from an
+        older version than the trainer holds, and the ratio must correct for
+        that (as slime's async training, verl's one-step-off-policy and prime-rl do).
+        """
         old, ref = [], []
         packed = self.cfg.pack_sequences
+        behaviour = self.sections.rollout.max_staleness > 0
         self.model.eval()
         with torch.no_grad():
             for mb in mbs:
                 mb = self._to_device(mb)
                 ids, am = mb.input_ids, mb.attention_mask
-                old.append(bt.token_logprobs(self.model, ids, am, packed=packed)[0])
+                if behaviour:
+                    old.append(mb.rollout_logprobs)
+                else:
+                    old.append(bt.token_logprobs(self.model, ids, am, packed=packed)[0])
                 if self.ref_model is not None:
                     ref.append(bt.token_logprobs(self.ref_model, ids, am, packed=packed)[0])
         return old, ref

@@ -44,21 +44,66 @@ def save(
 ) -> dict | None:
     """Write checkpoint ``k``. Collective (every rank gathers); rank 0 writes and
     commits and returns the meta, other ranks return None."""
+    snap = snapshot(model, optim, rank, copy=False)
+    return None if snap is None else write(store, k, snap, meta)
+
+
+def snapshot(
+    model: nn.Module, optim: torch.optim.Optimizer, rank: int, copy: bool
+) -> dict[str, Any] | None:
+    """Collective: what checkpoint files hold, gathered to host memory on rank 0
+    (None elsewhere). ``copy``: no tensor may share memory with the live model or
+    optimizer, so training can go on while the snapshot is written (on CPU the
+    gathered state is the live tensors themselves). The RNG state is taken now."""
     model_sd = full_model_state(model)
     optim_sd = full_optim_state(model, optim)
     if rank != 0:
         return None
+    snap = {"model": model_sd, "optim": optim_sd, "rng": rng_state()}
+    if copy:
+        live = {t.untyped_storage().data_ptr() for t in _tensors(optim.state)}
+        live |= {p.untyped_storage().data_ptr() for p in model.parameters()}
+        live |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+        snap = _copied(snap, live)
+    return snap
+
+
+def write(store: Any, k: int, snap: dict[str, Any], meta: dict) -> dict:
+    """Write a ``snapshot`` as checkpoint ``k`` and commit it (COMMIT last); the meta."""
     writer = store.checkpoint_writer(k)
     write_files(
         writer,
         [
-            (MODEL_FILE, lambda f: write_model_file(f, model_sd)),
-            (OPTIM_FILE, lambda f: torch.save(optim_sd, f)),
-            (RNG_FILE, lambda f: torch.save(rng_state(), f)),
+            (MODEL_FILE, lambda f: write_model_file(f, snap["model"])),
+            (OPTIM_FILE, lambda f: torch.save(snap["optim"], f)),
+            (RNG_FILE, lambda f: torch.save(snap["rng"], f)),
         ],
     )
     writer.commit(meta)
     return meta
+
+
+def _tensors(tree: Any):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+
+
+def _copied(tree: Any, live: set[int]) -> Any:
+    """``tree`` with every tensor that shares storage with ``live`` cloned."""
+    if isinstance(tree, torch.Tensor):
+        shared = tree.untyped_storage().data_ptr() in live
+        return tree.detach().clone() if shared else tree
+    if isinstance(tree, dict):
+        return {k: _copied(v, live) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_copied(v, live) for v in tree)
+    return tree
 
 
 def write_model_file(f: Any, model_sd: dict[str, torch.Tensor]) -> None:

@@ -12,6 +12,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollout.config import RolloutConfig
 from storage.config import StorageConfig
 
 
@@ -206,6 +207,7 @@ class _HasTrainerSections(Protocol):
     model: ModelConfig
     storage: StorageConfig
     weights: WeightsConfig
+    rollout: RolloutConfig
 
 
 class TrainerSections(BaseModel):
@@ -218,6 +220,8 @@ class TrainerSections(BaseModel):
     model: ModelConfig
     storage: StorageConfig
     weights: WeightsConfig
+    # max_staleness: whose logprobs the importance ratio divides by (``of`` always passes it)
+    rollout: RolloutConfig = RolloutConfig()
 
     @classmethod
     def of(cls, run_cfg: _HasTrainerSections) -> TrainerSections:

@@ -263,9 +263,24 @@ class TrainGroup:
         """One step on every rank over rollouts k; rank 0's metrics (already all-reduced)."""
         return self._get([a.train_step.remote(k) for a in self.actors()], f"train_step({k})")[0]
 
-    def save(self, k: int, meta_extra: dict | None = None) -> dict:
-        refs = [a.save_checkpoint.remote(k, meta_extra, self.fence) for a in self.actors()]
+    def save(
+        self,
+        k: int,
+        meta_extra: dict | None = None,
+        background: bool = False,
+        fail_background: bool = False,
+    ) -> dict:
+        """Checkpoint k (see ``TrainActor.save_checkpoint``); rank 0's meta."""
+        refs = [
+            a.save_checkpoint.remote(k, meta_extra, self.fence, background, fail_background)
+            for a in self.actors()
+        ]
         return self._get(refs, f"save_checkpoint({k})")[0]
+
+    def wait_saved(self) -> list[str]:
+        """Wait for background checkpoint writes; the failures they met (warnings)."""
+        refs = [a.wait_saved.remote() for a in self.actors()]
+        return [w for ws in self._get(refs, "wait_saved()") for w in ws]
 
     def export_hf(self, version: int, iteration: int, parent: int | None) -> dict:
         refs = [a.export_hf.remote(version, iteration, parent, self.fence) for a in self.actors()]

@@ -151,6 +151,8 @@ def test_deployment_run_completes_with_names_artifacts_and_versions(stack, clien
 
 
 def test_failed_run_retried_from_the_api_reexecutes_only_the_failed_step(stack, client, tmp_path):
+    """A pipelined run (rollout[2] is made beside train[1]) fails at reload[1];
+    Retry re-executes reload and what follows, never the steps that finished."""
     from prefect.states import Scheduled
 
     params = {
@@ -159,7 +161,8 @@ def test_failed_run_retried_from_the_api_reexecutes_only_the_failed_step(stack, 
             tmp_path,
             "retry",
             **{
-                "run.iterations": 1,
+                "run.iterations": 2,
+                "rollout.max_staleness": 1,
                 "tasks.retries": 2,
                 "faults": [{"step": "reload", "iteration": 1, "times": 3}],
             },
@@ -171,6 +174,7 @@ def test_failed_run_retried_from_the_api_reexecutes_only_the_failed_step(stack, 
     before = {
         s: store.read_record(1, s)["committed_at"] for s in ("rollout", "train", "save", "publish")
     }
+    ahead = store.read_record(2, "rollout")["committed_at"]  # made beside train[1]
     assert store.read_record(1, "reload-e0") is None or store.read_record(1, "reload-e1") is None
     run = next(r for r in flow_runs(client, "rl-training/tiny-cpu") if "retry" in r.tags)
     assert run.state.is_failed()
@@ -185,13 +189,15 @@ def test_failed_run_retried_from_the_api_reexecutes_only_the_failed_step(stack, 
     assert state.is_completed(), state
     after = {s: store.read_record(1, s)["committed_at"] for s in before}
     assert after == before, "finished steps must not run again"
-    assert store.committed_versions() == [0, 1]
+    assert store.read_record(2, "rollout")["committed_at"] == ahead
+    assert store.committed_versions() == [0, 1, 2]
     cached = {t.name for t in task_runs_named(client, "retry:") if t.state_name == "Cached"}
     assert {
         "retry:rollout[k=1]",
         "retry:train[k=1]",
         "retry:save[k=1]",
         "retry:publish[k=1]",
+        "retry:rollout[k=2]",
     } <= cached
 
 

@@ -26,9 +26,26 @@ ROOT = Path(__file__).resolve().parents[2]
 ITERATIONS = 6
 # One step per iteration; save is due at even iterations (save_interval 2).
 BASE = "configs/tiny-cpu.yaml"  # every run here: this file plus overrides
-PLAN = {"rollout": 1, "save": 2, "train": 3, "publish": 4, "reload": 5, "verify": 6}
+# save_background fires inside the background checkpoint write of a due save (2, 4).
+PLAN = {
+    "rollout": 1,
+    "save": 2,
+    "train": 3,
+    "publish": 4,
+    "reload": 5,
+    "verify": 6,
+    "save_background": 4,
+}
 # The killed actors, in the same run as PLAN's exceptions: no (step, iteration) of both.
-KILL_PLAN = {"rollout": 2, "save": 4, "train": 5, "publish": 6, "reload": 1, "verify": 3}
+KILL_PLAN = {
+    "rollout": 2,
+    "save": 4,
+    "train": 5,
+    "publish": 6,
+    "reload": 1,
+    "verify": 3,
+    "save_background": 2,
+}
 
 
 def overrides(root: Path, name: str, faults: list[dict] | None = None) -> dict:

@@ -115,9 +115,15 @@ class MegatronTrainActor(TrainActor):
         return self._iteration
 
     def save_checkpoint(
-        self, k: int, meta_extra: dict | None = None, fence: int | None = None
+        self,
+        k: int,
+        meta_extra: dict | None = None,
+        fence: int | None = None,
+        background: bool = False,
+        fail_background: bool = False,
     ) -> dict | None:
-        """Collective. Rank 0 commits ``checkpoints/iter_k`` (fenced) and returns its meta."""
+        """Collective. Rank 0 commits ``checkpoints/iter_k`` (fenced) and returns its meta.
+        Always written before it returns: megatron has no background save yet."""
         self._require_at(k, "save_checkpoint")
         store = self.store(fence)
         if k in store.committed_checkpoints():  # committed checkpoints are never rewritten
