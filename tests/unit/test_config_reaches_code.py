@@ -1,7 +1,7 @@
 """Every key of the trainer's config sections reaches the code that reads it.
 
 A key the user sets but the trainer never receives is a silent bug: the run
-goes on with the default. Each leaf key of ``train``, ``model`` and ``weights``
+goes on with the default. Each leaf key of ``train``, ``model``, ``weights`` and ``tracking``
 is classified here: read by the trainer (code under training/ reads it, and a
 non-default value set through ``--set`` arrives in what ``RunContext.trainer()``
 hands its ranks), read by another module (named, and that module must read
@@ -29,7 +29,7 @@ from storage.run_store import RunStore
 from tasks.context import RunContext
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ("train", "model", "weights")
+SECTIONS = ("train", "model", "weights", "tracking")
 
 # Read by the train group or its actors (somewhere under training/): they
 # arrive as part of the whole sections every rank receives.
@@ -70,6 +70,15 @@ ELSEWHERE = {
     "weights.bucket_bytes": "tasks/engines.py",  # passed to TrainGroup.push_weights
     "weights.publish_interval": "tasks/steps.py",
     "weights.flush_cache_interval": "tasks/engines.py",
+    # tracking.*: the tracker module reads them when the finish step logs a row.
+    "tracking.tensorboard.enabled": "tasks/tracking.py",
+    "tracking.tensorboard.log_dir": "tasks/tracking.py",
+    "tracking.mlflow.enabled": "tasks/tracking.py",
+    "tracking.mlflow.tracking_uri": "tasks/tracking.py",
+    "tracking.mlflow.experiment": "tasks/tracking.py",
+    "tracking.wandb.enabled": "tasks/tracking.py",
+    "tracking.wandb.project": "tasks/tracking.py",
+    "tracking.wandb.dir": "tasks/tracking.py",
 }
 # One allowed value: nothing to carry until a second one is added.
 ONE_CHOICE: set[str] = set()
