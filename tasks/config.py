@@ -17,7 +17,6 @@ from engines.config import EngineConfig, PlacementConfig
 from rollout.config import RolloutConfig
 from storage.config import StorageConfig
 from tasks.tracking import TrackingConfig
-from tasks.tracking import TrackingConfig
 from training.config import ModelConfig, TrainConfig, WeightsConfig
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -93,7 +92,6 @@ class RunConfig(BaseModel):
     weights: WeightsConfig = WeightsConfig()
     ray: RaySection = RaySection()
     tasks: TaskPolicy = TaskPolicy()
-    tracking: TrackingConfig = TrackingConfig()
     tracking: TrackingConfig = TrackingConfig()
     faults: list[FaultSpec] = Field(
         default_factory=list, description="Fault injection (tests only)"
