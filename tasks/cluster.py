@@ -87,9 +87,10 @@ def connect_ray(cfg: RunConfig) -> None:
     except Exception as e:  # auth, version mismatch: say which cluster and what to check
         raise ConnectionError(
             f"could not join the Ray cluster at ray.address {address}: {type(e).__name__}: {e}; "
-            "a cluster started by `ray start --head` uses token auth (Ray 2.60's default): give "
-            "this process its token (~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN) "
-            "and do not export RAY_AUTH_MODE=disabled (README, Security)"
+            f"this process runs with RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', '(unset)')}. "
+            "A cluster with token auth needs RAY_AUTH_MODE=token exported here too (an explicit "
+            "address never turns it on by itself) and the cluster's token as ~/.ray/auth_token, "
+            "RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (README, Security)"
         ) from None
     check_cpus(cfg, address)
 
