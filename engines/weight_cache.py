@@ -11,9 +11,12 @@ which releases the producer's memory. A handle whose key this receiver does not
 hold (an engine restarted since) raises ``CacheMiss``; the producer resends it
 in full. A handle without ``cache`` is opened, copied and dropped (streamed pushes).
 
-The copy is one ``torch._foreach_copy_`` into the model's own tensors, resolved
-by (module, attribute) at every update, so a model whose tensors moved (a
-sleep that moved them to the host and back) is still written in place. Names
+For a cached key on a single-rank engine, the engine's weights are bound into
+local flat buffers with the producer's layout (``engines.flat_binding``): an
+update is one device copy per dtype. Otherwise the copy is one
+``torch._foreach_copy_`` into the model's own tensors, resolved by (module,
+attribute) at every update, so a model whose tensors moved (a sleep that moved
+them to the host and back) is still written in place. Names
 and shapes are checked when a plan is built, before the first copy, so a bad
 bucket leaves the model untouched. Never decides versions and never frees the
 producer's memory. Pure torch.
@@ -28,20 +31,12 @@ import torch
 
 from engines import tensor_parallel as tpar
 from engines import weight_receiver as wr
+from engines.flat_binding import FlatPlan, adopt, resolve
 from engines.weights import WeightLoadError
 
 
 class CacheMiss(WeightLoadError):
     """A handle names a cached bucket this receiver does not hold; resend it in full."""
-
-
-def _resolve(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str]]:
-    """State-dict name -> (owning module, attribute), for params and persistent buffers."""
-    out = {}
-    for name in model.state_dict():
-        prefix, _, leaf = name.rpartition(".")
-        out[name] = (model.get_submodule(prefix) if prefix else model, leaf)
-    return out
 
 
 @dataclass
@@ -124,7 +119,7 @@ class ReceiverCache:
 
     def _names(self, model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str]]:
         if self._model is not model:
-            self._model, self._resolved = model, _resolve(model)
+            self._model, self._resolved = model, resolve(model)
         return self._resolved
 
     def plan(
@@ -134,7 +129,7 @@ class ReceiverCache:
         device: torch.device,
         rank: int,
         tp: int,
-    ) -> CopyPlan:
+    ) -> CopyPlan | FlatPlan:
         """The copy plan of ``handle`` for this rank; opened and checked once per key."""
         cache = handle.get("cache")
         if cache is None:
@@ -148,10 +143,16 @@ class ReceiverCache:
                 raise CacheMiss(f"weight cache miss: key {key} is not open here; resend in full")
             entry = self._entries[channel] = _Entry(key, wr.open_bucket(handle, device))
         slot = (id(model), rank, tp)
-        if slot not in entry.plans:
-            named = wr.named_tensors(entry.buckets)
-            entry.plans[slot] = build_plan(model, self._names(model), named, rank, tp)
-        return entry.plans[slot]
+        plan = entry.plans.get(slot)
+        if plan is None or (isinstance(plan, FlatPlan) and not plan.valid()):
+            # A single-rank engine binds its weights into flats of the producer's
+            # layout (one copy per dtype); if they moved since (a sleep), it binds again.
+            plan = adopt(self._names(model), entry.buckets) if tp == 1 else None
+            if plan is None:
+                named = wr.named_tensors(entry.buckets)
+                plan = build_plan(model, self._names(model), named, rank, tp)
+            entry.plans[slot] = plan
+        return plan
 
     def drop(self, handle: dict[str, Any]) -> None:
         """Forget the entry of ``handle``'s channel (the producer will free or reuse it)."""

@@ -204,6 +204,11 @@ class TrainActor:
         """(HF name, full tensor) pairs a push sends, one at a time; collective."""
         return bt.iter_full_tensors(self.model)
 
+    def _bindable_model(self) -> torch.nn.Module | None:
+        """The model whose tensors a push's staging buffer may take over (one rank
+        holds full tensors with the pushed names); None when sharded."""
+        return self.model if self.world_size == 1 else None
+
     def offload(self) -> dict[str, Any]:
         """Sleep: free the device memory of the weights, optimizer state and reference
         model for colocated engines (``engines.device_memory``: torch_memory_saver

@@ -156,6 +156,7 @@ class TensorPusher:
         self.channel = uuid.uuid4().hex  # this rank, as engines' caches know it
         self.layout: Layout | None = None
         self.staging: Staging | None = None
+        self._bind = False  # the staging buffer holds the model's own tensors
         self._ranks: dict[str, int] = {}  # engine key -> tensor-parallel size
 
     def engine_ranks(self, engine: Any) -> int:
@@ -174,13 +175,15 @@ class TensorPusher:
         flush_cache: bool,
         gather: HandleGather,
         resident: bool,
+        model: torch.nn.Module | None = None,
     ) -> dict[str, Any] | None:
         """Collective over the train ranks (each iterates the same full tensors);
-        rank 0 returns bytes, buckets and the path taken."""
+        rank 0 returns bytes, buckets and the path taken. ``model``: a single rank's
+        model, whose tensors the staging buffer may take over (``Staging.bind``)."""
         if not resident:
             self.close()
         elif self.layout is not None:
-            return self._push_resident(engine, named, version, flush_cache, gather)
+            return self._push_resident(engine, named, version, flush_cache, gather, model)
         layout = None
         if resident:  # learn the layout while streaming the first push
             layout, named = Layout.record(named)
@@ -195,12 +198,19 @@ class TensorPusher:
         version: int,
         flush_cache: bool,
         gather: HandleGather,
+        model: torch.nn.Module | None,
     ) -> dict[str, Any] | None:
         nbytes = 0
         if gather.producer:
             if self.staging is None:
                 self.staging = Staging(self.layout, self.device, self.channel)
-            nbytes = self.staging.fill(named)
+                self._bind = model is not None  # try once per buffer
+            st = self.staging
+            if self._bind and (st.bound() or st.bind(model)):
+                nbytes = st.ready()  # the weights are the buffer: nothing to copy
+            else:
+                self._bind = False
+                nbytes = st.fill(named)
         else:
             for _ in named:  # join the collectives of the iteration (FSDP gathers)
                 pass

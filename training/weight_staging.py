@@ -9,9 +9,13 @@ shared-memory segment. The handles carry ``cache = {channel, key, keep}`` so the
 engine keeps them open (``engines.weight_cache``): an update is then one fill,
 one Ray call and one copy on the engine, whatever the number of tensors.
 
-Memory: a staging buffer holds a copy of the model for as long as the trainer
-keeps it, so only a trainer that never sleeps keeps one (colocated ranks stream
-per bucket instead, ``training.weight_sender``). A shared-memory segment's file
+Memory: a single train rank binds its weights into the staging buffer
+(``bind``: its parameters become views of it, ``engines.flat_binding``), so the
+buffer costs nothing extra and an update needs no fill at all. Sharded or
+converted weights (FSDP, megatron) are copied in at each update (``fill``), and
+the buffer is then a second copy of the model for as long as the trainer keeps
+it; only a trainer that never sleeps keeps one (colocated ranks stream per
+bucket instead, ``training.weight_sender``). A shared-memory segment's file
 name carries the producer's pid; files of dead producers are removed when a new
 segment is made, so a killed actor leaves nothing behind for long.
 
@@ -31,6 +35,7 @@ from typing import Any
 
 import torch
 
+from engines.flat_binding import is_bound, rebind, resolve
 from engines.flat_bucket import TensorMeta, dtype_name
 from engines.weight_receiver import SHM_PREFIX
 
@@ -141,6 +146,7 @@ class Staging:
         self.metadata = [metas[d] for d in order]
         self.path: str | None = None
         self._views: list[torch.Tensor] | None = None
+        self._bindings: list | None = None  # (target, data pointer) once bound to a model
         if device.type == "cuda":
             self.flats = [torch.empty(sizes[d], dtype=d, device=device) for d in order]
             self._ipc = [_ipc_bytes(f) for f in self.flats]
@@ -171,6 +177,38 @@ class Staging:
                 for (p, a, b), s in zip(self.where, self.layout.slots)
             ]
         return self._views[i]
+
+    def bind(self, model: torch.nn.Module) -> bool:
+        """Make ``model``'s tensors views of this buffer (values copied in first), so
+        later pushes need no fill; False (nothing changed) if the layout does not
+        map onto the model's tensors one to one."""
+        resolved = resolve(model)
+        pairs, bindings = [], []
+        for i, s in enumerate(self.layout.slots):
+            target = resolved.get(s.name)
+            t = getattr(*target) if target is not None else None
+            view = self._view(i if s.alias_of is None else s.alias_of)
+            if t is None or tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                return False
+            if t.device != view.device:
+                return False
+            if s.alias_of is None:
+                pairs.append((target, view))
+            bindings.append((target, view.data_ptr()))
+        rebind(pairs)
+        self._bindings = bindings
+        return True
+
+    def bound(self) -> bool:
+        """Whether the model's tensors are still this buffer (a move breaks it)."""
+        return self._bindings is not None and is_bound(self._bindings)
+
+    def ready(self) -> int:
+        """A bound buffer is already filled: wait for the kernels that last wrote the
+        weights (the engine reads from another stream); returns the bytes it holds."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return self.nbytes_total
 
     @torch.no_grad()
     def fill(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -232,7 +270,8 @@ class Staging:
     def close(self) -> None:
         """Drop the buffers (receivers that still hold them keep the memory alive until
         they see a new key) and unlink the segment."""
-        self.flats, self._ipc, self._views = [], [], None
+        # A bound model keeps the memory alive: its tensors are views of it.
+        self.flats, self._ipc, self._views, self._bindings = [], [], None, None
         if self.path is not None:
             try:
                 os.unlink(self.path)

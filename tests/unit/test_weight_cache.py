@@ -69,6 +69,14 @@ def test_resident_updates_reuse_the_open_segment_and_copy_exact_bytes():
         assert all(p["metadata"] is None for p in short["parts"])
         apply(owner, dst, short, torch.device("cpu"), 0, 1)
         assert _same(src, dst) and dst.head.weight is dst.emb.weight
+        # The engine's weights now live in one flat per dtype: an update is one copy each.
+        assert dst.emb.weight.untyped_storage().nbytes() == 11 * 4 * 4
+        with torch.no_grad():  # a sleep that moved the weights away and back
+            dst.emb.weight.data = dst.emb.weight.data.clone()
+            src.emb.weight.add_(1)
+        staging.fill(_named(src))
+        apply(owner, dst, staging.handle(full=False), torch.device("cpu"), 0, 1)
+        assert _same(src, dst)
         with pytest.raises(CacheMiss):  # another engine never opened this key
             apply(type("Other", (), {})(), Tied(2), short, torch.device("cpu"), 0, 1)
     finally:
@@ -85,6 +93,29 @@ def test_a_bucket_that_does_not_fit_leaves_the_model_untouched():
         with pytest.raises(WeightLoadError, match="does not fit"):
             ReceiverCache().plan(dst, staging.handle(full=True), torch.device("cpu"), 0, 1)
         assert all(torch.equal(before[n], t) for n, t in dst.state_dict().items())
+    finally:
+        staging.close()
+
+
+def test_a_bound_trainer_model_is_the_staging_buffer():
+    """A single rank's weights become views of its staging buffer: nothing to fill,
+    same values, the same Parameter objects (the optimizer's keys)."""
+    src, dst = Tied(0), Tied(1)
+    params = list(src.parameters())
+    before = {n: t.clone() for n, t in src.state_dict().items()}
+    staging = _staging(src)
+    owner = type("Engine", (), {})()
+    try:
+        assert staging.bind(src) and staging.bound()
+        assert list(src.parameters()) == params
+        assert all(torch.equal(before[n], t) for n, t in src.state_dict().items())
+        with torch.no_grad():
+            src.norm.mul_(3)  # a training step writes the buffer the engine reads
+        staging.ready()
+        apply(owner, dst, staging.handle(full=True), torch.device("cpu"), 0, 1)
+        assert _same(src, dst)
+        src.norm.data = src.norm.data.clone()  # moved away: no longer bound
+        assert not staging.bound()
     finally:
         staging.close()
 

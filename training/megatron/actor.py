@@ -149,6 +149,9 @@ class MegatronTrainActor(TrainActor):
         megatron state dict holds ``_extra_state`` entries and fused qkv / fc1)."""
         return iter_hf_tensors(self.model.gpt, self.tp)
 
+    def _bindable_model(self) -> None:
+        return None  # pushed tensors are converted copies (fused qkv, fc1), never the model's
+
     def _data_parallel_size(self) -> int:
         return self.dp_size  # gradients are averaged over DP in _reduce_and_clip
 
