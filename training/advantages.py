@@ -2,9 +2,10 @@
 
 Owns the baselines (group, leave-one-out, batch). Samples of one prompt are
 ``n`` contiguous entries. Never touches models, storage, config or Ray
-(``training.algorithm`` picks one from the config). All of them are
-outcome-only: one scalar reward per sequence, broadcast to its tokens; none
-uses a critic or per-token rewards.
+(``training.algorithm`` picks one from the config). The group and batch
+estimators are outcome-only: one scalar reward per sequence, broadcast to its
+tokens. ``gae_advantages`` is the critic's: per-token advantages [B, T] from
+token rewards and the value model's values.
 """
 
 from __future__ import annotations
@@ -85,3 +86,54 @@ def reinforce_pp_baseline_advantages(
     Unlike GRPO, a group with a small spread is not blown up by its own std.
     """
     return _batch_normalise(dr_grpo_advantages(rewards, n), eps)
+
+
+def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token rewards [B, T] of outcome rewards [B]: each sample's reward on its last
+    response token (``mask`` [B, T], 1 on response tokens), 0 elsewhere."""
+    mask = mask.float()
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, positions, -1).max(dim=1).values  # -1: no response token
+    out = torch.zeros_like(mask)
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    out[rows, last[rows]] = rewards.float()[rows]
+    return out
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al. 2016, "High-Dimensional Continuous Control Using
+    Generalized Advantage Estimation"), as PPO for LMs uses it (Ouyang et al. 2022).
+
+    Over [B, T] token tensors (``mask`` 1 on response tokens, contiguous per row):
+    delta_t = r_t + gamma V_{t+1} - V_t with V = 0 after the last response token,
+    A_t = delta_t + gamma lam A_{t+1}, and the returns R_t = A_t + V_t (the critic's
+    targets). Both are 0 off the mask. Not whitened here (``whiten``).
+    """
+    mask = mask.float()
+    values, rewards = values.float() * mask, token_rewards.float() * mask
+    adv = torch.zeros_like(values)
+    running = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * running) * mask[:, t]
+        adv[:, t] = running
+    return adv, (adv + values) * mask
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked entries of the whole batch (unbiased std),
+    0 off the mask; as PPO implementations normalise GAE advantages per batch."""
+    mask = mask.float()
+    n = mask.sum()
+    if n < 2:
+        return torch.zeros_like(x)
+    mean = (x * mask).sum() / n
+    var = (((x - mean) * mask) ** 2).sum() / (n - 1)
+    return (x - mean) * torch.rsqrt(var + eps) * mask

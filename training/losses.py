@@ -4,8 +4,8 @@ Owns the loss maths only: pure functions over tensors. Never touches models,
 optimizers, storage, config or Ray (``training.algorithm`` maps the config onto
 these). Token tensors are [B, T] (``mask`` 1 on response tokens), ``advantages``
 is [B]: every loss here broadcasts one advantage per sequence, as GRPO does.
-What all of them leave out: no critic, no dual-clip, no off-policy correction
-between the engine's and the trainer's logprobs.
+What all of them leave out: no dual-clip, no off-policy correction between the
+engine's and the trainer's logprobs. ``value_loss`` is the critic's (PPO).
 """
 
 from __future__ import annotations
@@ -227,3 +227,34 @@ def gspo_loss(
     )
     per_seq = per_seq + (reg * mask).sum(dim=1) / lengths.clamp(min=1.0)
     return per_seq.sum() / float(rows), metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float | None,
+    num_tokens: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped value loss (Schulman et al. 2017, as in OpenAI baselines' ppo2):
+    0.5 * max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2) per token,
+    summed over masked tokens and divided by ``num_tokens`` (default: masked tokens).
+    ``clip_eps`` None is the plain squared error. Metrics: ``vf_loss`` and
+    ``vf_clip_frac`` (tokens where the clipped branch is the active one)."""
+    mask = mask.to(values.dtype)
+    count = mask.sum().clamp(min=1.0)
+    denom = count if num_tokens is None else torch.as_tensor(float(num_tokens))
+    unclipped = (values - returns) ** 2
+    per_token, clipped_active = unclipped, torch.zeros_like(mask)
+    if clip_eps is not None:
+        clipped_v = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
+        clipped = (clipped_v - returns) ** 2
+        per_token = torch.maximum(unclipped, clipped)
+        clipped_active = (clipped > unclipped).to(mask.dtype)
+    per_token = 0.5 * per_token
+    metrics = {
+        "vf_loss": float((per_token.detach() * mask).sum() / count),
+        "vf_clip_frac": float((clipped_active * mask).sum() / count),
+    }
+    return (per_token * mask).sum() / denom, metrics
