@@ -35,11 +35,13 @@ _pipes: list[int] = []  # write ends kept open for the process's life
 
 
 def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (tells a reused pid apart)."""
+    """The process's start time in clock ticks since boot (tells a reused pid apart);
+    None once it has ended (a zombie has ended: it only waits for its parent)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def _owner_alive(token: str) -> bool:
