@@ -45,7 +45,9 @@ def base_model_path(cfg: RunConfig) -> str:
         if not (p / "config.json").is_file():
             raise ConfigError(
                 f"model.path {str(p)!r} is not a local HF checkpoint (no config.json); "
-                "give a directory written by save_pretrained, or leave model.path unset for the tiny model"
+                "give a directory written by save_pretrained (a random-init Qwen2.5-0.5B shape: "
+                f"prefect-rl tiny-model --shape qwen2-0.5b {str(p)!r}), or leave model.path "
+                "unset for the tiny model"
             )
         return str(p.resolve())
     from training.tiny_model import write_tiny_model
