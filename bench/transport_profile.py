@@ -8,9 +8,11 @@ every phase is timed alone:
 - ``streamed`` (the per-bucket path): cut into buckets, flatten each (``torch.cat``),
   make its handle, one Ray call per bucket in which the consumer opens the handle
   and copies into the model.
-- ``resident`` (the path a trainer that never sleeps uses): fill a staging buffer
-  registered once (one ``_foreach_copy_``), one Ray call per update whose handle
-  the consumer has cached, one ``_foreach_copy_`` into the model.
+- ``resident`` (the path a single trainer rank that never sleeps uses): its
+  weights are bound into a staging buffer registered once (nothing to fill),
+  one Ray call per update whose handle the consumer has cached, and the
+  consumer's weights, bound into flats of the same layout, take one device copy
+  per dtype.
 
 Each phase is the median over ``--repeats`` pushes after one warm-up push, beside
 a device copy (memcpy on CPU) of the same bytes measured in the same run.
@@ -141,8 +143,12 @@ class Producer:
             layout, items = Layout.record(self.named())
             list(items)
             self.staging = Staging(layout, self.dev, "profile")
+            self.staging.bind(self.model)  # one rank: its weights become the buffer
         t1 = time.perf_counter()
-        self.staging.fill(self.named())
+        if self.staging.bound():
+            self.staging.ready()
+        else:
+            self.staging.fill(self.named())
         _sync(self.dev)
         t2 = time.perf_counter()
         h = self.staging.handle(full=not self.staging.acked)

@@ -24,6 +24,7 @@ producer's memory. Pure torch.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,8 @@ from engines import tensor_parallel as tpar
 from engines import weight_receiver as wr
 from engines.flat_binding import FlatPlan, adopt, resolve
 from engines.weights import WeightLoadError
+
+log = logging.getLogger(__name__)
 
 
 class CacheMiss(WeightLoadError):
@@ -147,7 +150,14 @@ class ReceiverCache:
         if plan is None or (isinstance(plan, FlatPlan) and not plan.valid()):
             # A single-rank engine binds its weights into flats of the producer's
             # layout (one copy per dtype); if they moved since (a sleep), it binds again.
-            plan = adopt(self._names(model), entry.buckets) if tp == 1 else None
+            plan = None
+            if tp == 1:
+                try:
+                    plan = adopt(self._names(model), entry.buckets)
+                except (RuntimeError, TypeError) as e:  # rolled back: copy tensor by tensor
+                    log.warning(
+                        "cannot bind the weights into flat buffers (%s); copying per tensor", e
+                    )
             if plan is None:
                 named = wr.named_tensors(entry.buckets)
                 plan = build_plan(model, self._names(model), named, rank, tp)

@@ -17,10 +17,7 @@ Owns handing the full state to one engine actor:
   handle j): train rank ``j % world`` makes engine rank j's handle on its own
   device, and the handles are gathered to train rank 0 over gloo (slime's
   ``UpdateWeightFromTensor``), which calls the engine and broadcasts the outcome.
-- ``distributed``: metadata by actor call, tensors by broadcast over a
-  standalone process group {trainer rank 0, engine rank(s)}, one group per
-  engine so each engine's reload is its own retriable task. A group whose
-  engine has lost it (restarted) is torn down and rebuilt.
+- ``distributed``: broadcast from trainer rank 0 (``training.broadcast_sender``).
 The weight version is set by the call carrying the last bucket. Never decides
 which version to send and never gathers shards itself (the caller iterates
 full tensors on every rank).
@@ -39,8 +36,8 @@ import ray
 import torch
 import torch.distributed as dist
 
-from engines import weight_receiver as wr
 from engines.flat_bucket import FlatBucket, flatten, iter_buckets
+from training.broadcast_sender import BroadcastSender
 from training.weight_staging import Layout, Staging, segment_path
 
 ALIGN = 64
@@ -206,7 +203,7 @@ class TensorPusher:
                 self.staging = Staging(self.layout, self.device, self.channel)
                 self._bind = model is not None  # try once per buffer
             st = self.staging
-            if self._bind and (st.bound() or st.bind(model)):
+            if self._bind and (st.bound() or _try_bind(st, model)):
                 nbytes = st.ready()  # the weights are the buffer: nothing to copy
             else:
                 self._bind = False
@@ -248,6 +245,13 @@ class TensorPusher:
         if self.staging is not None:
             self.staging.close()
             self.staging = None
+
+
+def _try_bind(staging: Staging, model: torch.nn.Module) -> bool:
+    try:
+        return staging.bind(model)
+    except (RuntimeError, TypeError):  # rolled back; the buffer is filled at each push
+        return False
 
 
 def send_streamed(
@@ -295,62 +299,6 @@ def send_streamed(
         nbytes += sum(b.flat.numel() * b.flat.element_size() for b in flats)
         nbuckets += 1
     return {"bytes": nbytes, "buckets": nbuckets} if gather.rank == 0 else None
-
-
-class BroadcastSender:
-    """Trainer rank 0's broadcast groups, one per engine, by group name."""
-
-    def __init__(self) -> None:
-        self.groups: dict[str, Any] = {}
-
-    def ensure_group(self, engine: Any, group_name: str, backend: str) -> Any:
-        pg = self.groups.get(group_name)
-        if pg is not None and ray.get(engine.has_weights_update_group.remote(group_name)):
-            return pg
-        if pg is not None:  # the engine was restarted: its end of the group is gone
-            wr.destroy_group(self.groups.pop(group_name))
-        addr, port = ray.util.get_node_ip_address(), wr.free_port()
-        world = 1 + int(ray.get(engine.model_info.remote()).get("tp_size", 1))  # + trainer rank 0
-        joined = engine.init_weights_update_group.remote(addr, port, 1, world, group_name, backend)
-        pg = wr.make_group(addr, port, 0, world, group_name, backend)
-        _check(ray.get(joined), f"init_weights_update_group({group_name})")
-        self.groups[group_name] = pg
-        return pg
-
-    def send(
-        self,
-        engine: Any,
-        named: NamedTensors,
-        version: int,
-        bucket_bytes: int,
-        flush_cache: bool,
-        group_name: str,
-        backend: str,
-    ) -> dict[str, Any]:
-        pg = self.ensure_group(engine, group_name, backend)
-        nbytes = nbuckets = 0
-        for bucket, last in _with_last(iter_buckets(named, bucket_bytes)):
-            flats = flatten(bucket)
-            metas = [m for b in flats for m in b.metadata]
-            reply_ref = engine.update_weights_from_distributed.remote(
-                [m.name for m in metas],
-                [m.dtype for m in metas],
-                [list(m.shape) for m in metas],
-                group_name=group_name,
-                flush_cache=flush_cache and last,
-                weight_version=str(version) if last else None,
-            )
-            for b in flats:
-                wr.broadcast(pg, b.flat.contiguous())
-            _check(ray.get(reply_ref), f"bucket {nbuckets} of v{version}")
-            nbytes += sum(b.flat.numel() * b.flat.element_size() for b in flats)
-            nbuckets += 1
-        return {"bytes": nbytes, "buckets": nbuckets}
-
-    def close(self) -> None:
-        for pg in self.groups.values():
-            wr.destroy_group(pg)
-        self.groups.clear()
 
 
 def _gloo_group(actor: Any) -> Any:
