@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tasks.config import RunConfig
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -15,7 +19,7 @@ def _run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.set)
         if cfg.ray.address is None:
             # Only the run's own local cluster, which binds loopback alone
-            # (tasks.prepare.start_local_ray), goes without auth. A cluster at
+            # (tasks.cluster.start_local_ray), goes without auth. A cluster at
             # ray.address keeps the user's RAY_AUTH_MODE (token: see README).
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         from tasks.prepare import check_run
@@ -56,7 +60,8 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _committed(cfg) -> int:
+def _committed(cfg: RunConfig) -> int:
+    """Iterations the run has committed (its metrics rows)."""
     from storage.run_store import RunStore
 
     return len(RunStore(cfg.storage, cfg.run.name).read_metrics())

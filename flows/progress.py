@@ -48,5 +48,5 @@ def continue_hint(config: str, sets: list[str], committed: int, plain: bool = Fa
     return (
         f"{committed} iterations committed. To continue to {more}: "
         f"prefect-rl run {config}{args}{flag} "
-        "(from Prefect: prefect deployment run 'rl-training/tiny-cpu' --param extra_iterations=10)"
+        "(from Prefect: the rl-training deployment with --param extra_iterations=10)"
     )
