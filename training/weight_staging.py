@@ -29,6 +29,7 @@ import io
 import os
 import tempfile
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -94,13 +95,19 @@ class Layout:
         return layout, layout._recording(named)
 
     def _recording(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator:
-        seen: dict[tuple, int] = {}
+        # Two names alias (tied weights) only if the first tensor is still alive when
+        # the second comes: a gathered or converted tensor freed after its bucket
+        # leaves its address to the next allocation, which is not an alias.
+        seen: dict[tuple, tuple[int, weakref.ref]] = {}
         for name, t in named:
             ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()))
-            alias = seen.get(ident) if t.numel() else None
-            if alias is not None and self.slots[alias].shape != tuple(t.shape):
-                alias = None
-            seen.setdefault(ident, len(self.slots))
+            alias = None
+            first = seen.get(ident) if t.numel() else None
+            if first is not None and first[1]() is not None:
+                if self.slots[first[0]].shape == tuple(t.shape):
+                    alias = first[0]
+            if alias is None:
+                seen[ident] = (len(self.slots), weakref.ref(t))
             self.slots.append(Slot(name, tuple(t.shape), t.dtype, alias))
             yield name, t
 

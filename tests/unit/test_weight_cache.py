@@ -120,6 +120,23 @@ def test_a_bound_trainer_model_is_the_staging_buffer():
         staging.close()
 
 
+def test_fresh_tensors_at_a_reused_address_are_not_aliases():
+    """Gathered (FSDP) or converted (megatron) tensors are freed after their bucket,
+    and the next one may get the same address: only live tensors can be tied."""
+
+    def gathered():
+        for i in range(6):
+            yield f"layer.{i}.weight", torch.full((256, 256), float(i))
+
+    layout, items = Layout.record(gathered())
+    addresses = []
+    for _, t in items:  # the consumer drops each tensor before the next comes
+        addresses.append(t.untyped_storage().data_ptr())
+        del t
+    assert len(set(addresses)) < len(addresses)  # the allocator did reuse an address
+    assert all(s.alias_of is None for s in layout.slots)
+
+
 def test_staging_refuses_a_model_that_changed_under_it():
     src = Tied(0)
     staging = _staging(src)
