@@ -248,7 +248,8 @@ class TrainActor:
                 f"no persisted rollouts for iteration {k} in run {self.run_name!r}; "
                 f"run rollout({k}) before train({k})"
             )
-        full = build_train_batch(RolloutBatch.from_json(data), self.pad_id, self.cfg.loss)
+        batch = RolloutBatch.from_json(data)
+        full = build_train_batch(batch, self.pad_id, self.cfg.loss, self._token_advantages(k))
         dp_rank = self._data_parallel_rank()
         mbs = rank_micro_batches(full, dp_rank, self._data_parallel_size(), self.cfg)
         torch.manual_seed(step_seed(self.seed, k, dp_rank))
@@ -259,6 +260,11 @@ class TrainActor:
         self.optim.zero_grad(set_to_none=True)
         self._iteration = k
         return self._metrics(sums, grad_norm, full, time.perf_counter() - t0)
+
+    def _token_advantages(self, k: int) -> torch.Tensor | None:
+        from training.critic import policy_advantages  # training.critic imports this module
+
+        return policy_advantages(self.cfg.loss, self.storage_cfg, self.run_name, k)
 
     # Backend hooks: the megatron actor overrides these four and nothing else of
     # the train/export path.

@@ -74,20 +74,30 @@ def policy_loss(
     raise AssertionError(f"unhandled loss kind {cfg.kind!r}")  # Literal keeps this unreachable
 
 
+def shaped_rewards(
+    cfg: LossConfig, rewards: torch.Tensor, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``rewards`` [B] plus, with ``cfg.overlong_buffer``, the DAPO overlong penalty
+    of ``lengths`` (response tokens per sample)."""
+    if cfg.overlong_buffer is None:
+        return rewards
+    if lengths is None:
+        raise ValueError("train.loss.overlong_buffer needs the response lengths")
+    assert cfg.max_response_tokens is not None  # LossConfig requires it with the buffer
+    return rewards.float() + overlong_penalty(lengths, cfg.max_response_tokens, cfg.overlong_buffer)
+
+
 def sample_advantages(
     cfg: LossConfig, rewards: torch.Tensor, n: int, lengths: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Advantages [B*n] of ``rewards`` by ``cfg.advantage``, groups of ``n`` contiguous
-    samples. With ``cfg.overlong_buffer`` the DAPO overlong penalty of ``lengths``
-    (response tokens per sample) is added to the rewards first."""
-    if cfg.overlong_buffer is not None:
-        if lengths is None:
-            raise ValueError("train.loss.overlong_buffer needs the response lengths")
-        assert cfg.max_response_tokens is not None  # LossConfig requires it with the buffer
-        rewards = rewards.float() + overlong_penalty(
-            lengths, cfg.max_response_tokens, cfg.overlong_buffer
+    """Advantages [B*n] of ``rewards`` (``shaped_rewards``) by ``cfg.advantage``, groups
+    of ``n`` contiguous samples. gae has none here: the critic computes per-token ones."""
+    if cfg.advantage == "gae":
+        raise ValueError(
+            "train.loss.advantage gae needs the critic's per-token advantages; "
+            "pass token_advantages (training.critic computes them)"
         )
-    return _ESTIMATORS[cfg.advantage](rewards, n)
+    return _ESTIMATORS[cfg.advantage](shaped_rewards(cfg, rewards, lengths), n)
 
 
 def filter_loss_mask(

@@ -61,6 +61,51 @@ def build_model(path: str, dtype: str, device: torch.device, world_size: int) ->
     return model
 
 
+def build_value_model(
+    path: str, dtype: str, device: torch.device, world_size: int, seed: int
+) -> nn.Module:
+    """A value model for PPO's critic: the HF checkpoint at ``path`` with a fresh
+    scalar head (``AutoModelForTokenClassification``, one label), its head seeded by
+    ``seed`` so every rank and every rebuild starts the same; no head dropout (a
+    regression target wants no noise). FSDP2-sharded when ``world_size`` > 1."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0  # HF's head defaults to 0.1 dropout when unset
+    torch.manual_seed(seed)
+    model = AutoModelForTokenClassification.from_pretrained(
+        path, config=config, dtype=DTYPES[dtype], attn_implementation="sdpa"
+    )
+    model.to(device)
+    if world_size > 1:
+        shard_model(model, device, world_size)
+    return model
+
+
+def token_values(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False
+) -> torch.Tensor:
+    """The value model's V at each position that predicts a next token, [B, T-1]
+    float32: the same positions as ``token_logprobs`` (V_t is the value of the
+    state that emits token t+1). ``packed`` as in ``token_logprobs``."""
+    if not packed:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return out[:, :-1, 0].float()
+    flat, positions, keep = pack_rows(input_ids, attention_mask)
+    # use_cache=False matters: with a cache HF skips the packed-sequence mask.
+    out = model(input_ids=flat, position_ids=positions, use_cache=False).logits
+    return _unpack(out[0, :-1, 0][keep].float(), attention_mask)
+
+
+def _unpack(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Packed next-token values [M] back in the padded layout [B, T-1], 0 on padding;
+    row-major boolean indexing walks the padded targets in the packed order."""
+    targets = attention_mask[:, 1:].bool()
+    out = values.new_zeros(targets.shape)
+    out[targets] = values
+    return out
+
+
 def shard_model(model: nn.Module, device: torch.device, world_size: int) -> None:
     """``fully_shard`` each decoder layer (HF's ``_no_split_modules``), then the root,
     so each layer's parameters are gathered only while that layer runs."""
@@ -123,8 +168,9 @@ def pack_rows(
     the next sample's first).
 
     HF's mask builder (``transformers.masking_utils``) reads restarting position
-    ids with no attention mask as packed samples and builds the block-diagonal
-    causal mask itself, for sdpa and eager attention alike."""
+    ids with no attention mask and no KV cache (``use_cache=False``) as packed
+    samples and builds the block-diagonal causal mask itself, for sdpa and eager
+    attention alike."""
     lengths = attention_mask.sum(dim=1)
     flat = input_ids[attention_mask.bool()].unsqueeze(0)
     positions = torch.cat([torch.arange(int(n), device=input_ids.device) for n in lengths])
@@ -143,15 +189,7 @@ def _packed_token_logprobs(
     flat, positions, keep = pack_rows(input_ids, attention_mask)
     logits = model(input_ids=flat, position_ids=positions, use_cache=False).logits
     lp, ent = _next_token_stats(logits[0, :-1][keep], flat[0, 1:][keep], with_entropy, entropy_grad)
-    # Row-major boolean indexing walks the padded targets in the packed order.
-    targets = attention_mask[:, 1:].bool()
-
-    def unpack(values: torch.Tensor) -> torch.Tensor:
-        out = values.new_zeros(targets.shape)
-        out[targets] = values
-        return out
-
-    return unpack(lp), (unpack(ent) if ent is not None else None)
+    return _unpack(lp, attention_mask), (_unpack(ent, attention_mask) if ent is not None else None)
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

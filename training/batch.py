@@ -32,7 +32,7 @@ class TrainBatch:
     attention_mask: torch.Tensor  # [B, T] long, 1 on prompt + response tokens
     loss_mask: torch.Tensor  # [B, T-1] float, 1 where the target is a response token
     rollout_logprobs: torch.Tensor  # [B, T-1] float, engine logprobs on loss_mask, else 0
-    advantages: torch.Tensor  # [B] float, GRPO advantages of the whole batch
+    advantages: torch.Tensor  # [B] float per sample, or [B, T-1] per token (gae)
     rewards: torch.Tensor  # [B] float
 
     @property
@@ -51,16 +51,21 @@ class TrainBatch:
         for f in fields(self):
             t = getattr(self, f.name)[start:end]
             if t.dim() == 2:
-                t = t[:, : length - (1 if f.name in ("loss_mask", "rollout_logprobs") else 0)]
+                shifted = f.name in ("loss_mask", "rollout_logprobs", "advantages")
+                t = t[:, : length - (1 if shifted else 0)]
             out[f.name] = t
         return TrainBatch(**out)
 
 
 def build_train_batch(
-    batch: RolloutBatch, pad_id: int, loss_cfg: LossConfig | None = None
+    batch: RolloutBatch,
+    pad_id: int,
+    loss_cfg: LossConfig | None = None,
+    token_advantages: torch.Tensor | None = None,
 ) -> TrainBatch:
     """Tensors for ``batch``; advantages (``loss_cfg.advantage``, default GRPO) are
-    computed over the whole batch's groups."""
+    computed over the whole batch's groups, except gae: the critic's per-token
+    ``token_advantages`` [B, T-1] (this layout) are used as they are."""
     if not batch.samples:
         raise ValueError(f"rollout batch of iteration {batch.iteration} has no samples")
     seqs = [list(s.prompt_ids) + list(s.response_ids) for s in batch.samples]
@@ -81,7 +86,15 @@ def build_train_batch(
     rewards = torch.tensor(batch.rewards, dtype=torch.float32)
     cfg = LossConfig() if loss_cfg is None else loss_cfg
     lengths = torch.tensor([len(s.response_ids) for s in batch.samples])
-    advantages = sample_advantages(cfg, rewards, batch.n_samples_per_prompt, lengths)
+    if cfg.advantage == "gae" and token_advantages is not None:
+        if tuple(token_advantages.shape) != tuple(loss_mask.shape):
+            raise ValueError(
+                f"token advantages of shape {tuple(token_advantages.shape)} do not fit the "
+                f"batch layout {tuple(loss_mask.shape)}; they belong to another rollout batch"
+            )
+        advantages = token_advantages.float()
+    else:
+        advantages = sample_advantages(cfg, rewards, batch.n_samples_per_prompt, lengths)
     loss_mask = filter_loss_mask(cfg, loss_mask, [s.finish_reason for s in batch.samples])
     return TrainBatch(input_ids, attention, loss_mask, rollout_lp, advantages, rewards)
 

@@ -29,11 +29,14 @@ class LossConfig(BaseModel):
         "sequence over a constant max_response_tokens; gspo: sequence-level ratio and clip "
         "(gspo_clip_eps_low/high); dapo: decoupled clip (clip_eps_low/high), token-level",
     )
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+    advantage: Literal[
+        "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"
+    ] = Field(
         "grpo",
         description="grpo: (r - group mean) / group std; dr_grpo: r - group mean; rloo: r "
         "minus the mean of the other samples of its prompt; reinforce_pp: r normalised over "
-        "the batch; reinforce_pp_baseline: r - group mean, normalised by the batch std",
+        "the batch; reinforce_pp_baseline: r - group mean, normalised by the batch std; "
+        "gae: PPO, per-token GAE from the critic (train.critic)",
     )
     clip_eps: float = Field(0.2, gt=0, description="grpo / dr_grpo ratio clip: [1 - eps, 1 + eps]")
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="dapo lower clip: ratio >= 1 - this")
@@ -100,6 +103,11 @@ class LossConfig(BaseModel):
                 "normalisation Dr. GRPO removes; set train.loss.advantage: dr_grpo, or "
                 "advantage: grpo explicitly to ablate it"
             )
+        if self.advantage == "gae" and self.kind == "gspo":
+            raise ValueError(
+                "train.loss.advantage gae gives one advantage per token, but kind gspo weighs "
+                "whole sequences; use kind grpo, dapo or dr_grpo with gae"
+            )
         if self.overlong_buffer is not None and (
             self.max_response_tokens is None or self.overlong_buffer > self.max_response_tokens
         ):
@@ -119,6 +127,23 @@ class MegatronConfig(BaseModel):
 
     tensor_parallel: int = Field(1, ge=1)
     pipeline_parallel: int = Field(1, ge=1)
+
+
+class CriticConfig(BaseModel):
+    """PPO's value model: its own train group, initialised from the policy's base
+    weights with a fresh scalar head; used when ``train.loss.advantage`` is gae."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-3, gt=0, description="Critic learning rate (AdamW)")
+    value_clip_eps: float | None = Field(
+        0.2, gt=0, description="Clip the new value to old +- this in the loss; None: no clip"
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE lambda")
+    whiten_advantages: bool = Field(
+        True, description="Normalise GAE advantages over the batch's response tokens"
+    )
 
 
 class TrainConfig(BaseModel):
@@ -148,10 +173,21 @@ class TrainConfig(BaseModel):
     )
     release_after_publish: bool = False
     loss: LossConfig = LossConfig()
+    critic: CriticConfig = CriticConfig()
     megatron: MegatronConfig = MegatronConfig()
 
     @model_validator(mode="after")
     def _check_packing(self) -> TrainConfig:
+        if self.loss.advantage == "gae" and self.backend != "torch":
+            raise ValueError(
+                "train.loss.advantage gae trains a critic, which only the torch backend has; "
+                "set backend: torch or choose another advantage"
+            )
+        if self.loss.advantage != "gae" and self.critic != CriticConfig():
+            raise ValueError(
+                "train.critic is only used by train.loss.advantage: gae (PPO); set it or "
+                "remove train.critic"
+            )
         if self.pack_sequences and self.backend != "torch":
             raise ValueError(
                 f"train.pack_sequences needs backend: torch (the {self.backend} backend runs "

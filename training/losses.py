@@ -61,7 +61,8 @@ def _token_clip_loss(
     mask = mask.to(logprobs.dtype)
     count = mask.sum().clamp(min=1.0)
     denom_t = count if denom is None else torch.as_tensor(float(denom))
-    adv = advantages.to(logprobs.dtype).unsqueeze(1)
+    adv = advantages.to(logprobs.dtype)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv  # [B] per sequence or [B, T] per token
 
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -adv * ratio

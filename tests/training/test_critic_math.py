@@ -3,8 +3,10 @@ masked whitening and the clipped value loss."""
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from training.advantages import gae_advantages, outcome_token_rewards, whiten
+from training.config import TrainConfig
 from training.losses import value_loss
 
 # Row layout: prompt target at t=0, response tokens at t=1..3, padding at t=4.
@@ -48,7 +50,7 @@ def test_value_loss_clips_by_hand():
     loss, m = value_loss(values, old, returns, mask, clip_eps=0.2)
     # token 0: unclipped (1 - 2)^2 = 1, clipped (0.7 - 2)^2 = 1.69 -> 0.5 * 1.69 = 0.845
     # token 1: (0.4 - 0)^2 = 0.16 both ways (inside the clip range) -> 0.08
-    assert float(loss) == pytest.approx((0.845 + 0.08) / 2)
+    assert float(loss.detach()) == pytest.approx((0.845 + 0.08) / 2)
     assert m["vf_clip_frac"] == 0.5
     loss.backward()
     # the clipped branch is flat in V: no gradient on token 0; token 1: (0.4 - 0) / 2
@@ -66,3 +68,16 @@ def test_value_loss_without_clip_is_half_squared_error():
     )
     assert float(loss) == pytest.approx(0.5 * (1 + 4) / 4)
     assert m["vf_clip_frac"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "fix"),
+    [
+        ({"critic": {"lr": 0.5}}, "only used by train.loss.advantage: gae"),
+        ({"backend": "megatron", "loss": {"advantage": "gae"}}, "set backend: torch"),
+    ],
+)
+def test_critic_settings_need_ppo_on_the_torch_backend(fields, fix):
+    with pytest.raises(ValidationError, match=fix):
+        TrainConfig(**fields)
+    assert TrainConfig(loss={"advantage": "gae"}, critic={"gamma": 0.9}).critic.gamma == 0.9

@@ -165,3 +165,15 @@ def test_packed_two_rank_step_matches_padded_one_rank(ray_cluster, tiny_model, s
         assert m_b[key] == pytest.approx(m_a[key], rel=1e-4, abs=1e-6), key
     assert m_b["response_tokens"] == m_a["response_tokens"]
     torch.testing.assert_close(probe_b, probe_a, rtol=1e-4, atol=1e-5)
+
+
+def test_packed_values_equal_padded(tiny_model):
+    """The critic's value model packs the same way (HF skips the packed mask when
+    a KV cache is on, so this guards use_cache=False)."""
+    model = bt.build_value_model(tiny_model, "float32", torch.device("cpu"), 1, seed=3)
+    full = build_train_batch(synthetic_batch(2), pad_id=0)
+    padded = bt.token_values(model, full.input_ids, full.attention_mask)
+    packed = bt.token_values(model, full.input_ids, full.attention_mask, packed=True)
+    targets = full.attention_mask[:, 1:].bool()
+    torch.testing.assert_close(packed[targets], padded[targets], rtol=1e-4, atol=1e-6)
+    assert packed[~targets].abs().sum() == 0

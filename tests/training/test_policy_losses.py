@@ -210,7 +210,8 @@ def test_loss_config_kinds_parse_and_round_trip():
         ({"overlong_buffer": 4}, "set max_response_tokens"),
         ({"overlong_buffer": 9, "max_response_tokens": 8}, "set max_response_tokens"),
         ({"kind": "ppo"}, "kind"),
-        ({"advantage": "gae"}, "advantage"),
+        ({"advantage": "nope"}, "advantage"),
+        ({"kind": "gspo", "advantage": "gae"}, "use kind grpo, dapo or dr_grpo with gae"),
         ({"clip_eps_low": 1.0, "kind": "dapo"}, "clip_eps_low"),
     ],
 )

@@ -57,6 +57,11 @@ TRAINER_KEYS = {
     "train.loss.overlong_filter",
     "train.loss.kl_coef",
     "train.loss.entropy_coef",
+    "train.critic.lr",
+    "train.critic.value_clip_eps",
+    "train.critic.gamma",
+    "train.critic.gae_lambda",
+    "train.critic.whiten_advantages",
     "train.megatron.tensor_parallel",
     "train.megatron.pipeline_parallel",
     "model.dtype",
@@ -82,6 +87,7 @@ ELSEWHERE = {
 }
 # One allowed value: nothing to carry until a second one is added.
 ONE_CHOICE: set[str] = set()
+CRITIC_LEAVES = ("lr", "value_clip_eps", "gamma", "gae_lambda", "whiten_advantages")
 # Keys whose non-default values are valid only with other settings (the
 # section's validators refuse settings of a loss kind that is not chosen).
 REQUIRES: dict[str, dict[str, Any]] = {
@@ -90,6 +96,7 @@ REQUIRES: dict[str, dict[str, Any]] = {
     "train.loss.gspo_clip_eps_low": {"train.loss.kind": "gspo"},
     "train.loss.gspo_clip_eps_high": {"train.loss.kind": "gspo"},
     "train.loss.overlong_buffer": {"train.loss.max_response_tokens": 64},
+    **{f"train.critic.{k}": {"train.loss.advantage": "gae"} for k in CRITIC_LEAVES},
 }
 
 
@@ -122,6 +129,8 @@ def candidates(f: FieldInfo) -> list[Any]:
         values = [default + 0.5, default * 2, default / 2]
     elif int in typing.get_args(ann):  # int | None
         values = [64]
+    elif float in typing.get_args(ann):  # float | None
+        values = [0.5]
     elif str in typing.get_args(ann) or ann is str:
         values = ["/nonexistent/prefect-rl-walk"]
     else:
