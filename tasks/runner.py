@@ -17,7 +17,8 @@ Prefect tasks (``tasks.rl_tasks``) and the plain driver (``flows.driver``):
                       ``step.kill`` (engine ``engine_id``, or engine 0; train rank 0)
     7. work           the step itself; its dict is the result
     8. commit         result + ``memory`` (device states) + ``warnings``,
-                      timed, written to ``ledger/iter_k/<key>.json``
+                      checked against the step's declared ``result`` model
+                      (``tasks.types``), timed, written to ``ledger/iter_k/<key>.json``
 
 Nothing here imports Prefect; the Prefect tasks log the returned result.
 """
@@ -33,6 +34,7 @@ from typing import Any, Literal
 from tasks import colocate
 from tasks.engines import kill_engine, kill_train_rank0
 from tasks.faults import maybe_fail
+from tasks.types import StepResult
 
 Result = dict[str, Any]
 # ``ready`` returns the warnings it met (e.g. a corrupt checkpoint skipped).
@@ -53,6 +55,7 @@ class Step:
     ready: Ready | None = None  # bring back the state ``work`` needs
     skip: Callable[[Any, int], Result | None] | None = None  # a result without any work
     audit: bool = False  # True: no ledger-first read, the record is rewritten each pass
+    result: type[StepResult] | None = None  # the result's model (tasks.types); None: unchecked
 
     def key(self, engine_id: int | None = None) -> str:
         """The ledger key (and the last part of the Prefect cache key ``{run}/{k}/{key}``)."""
@@ -78,6 +81,8 @@ def run(ctx, step: Step, k: int, engine_id: int | None = None, **inputs: Any) ->
     result = step.skip(ctx, k) if step.skip is not None else None
     if result is None:
         result = _execute(ctx, step, k, engine_id, inputs)
+    if step.result is not None:  # the declared shape, or a loud error before the commit
+        result = step.result.model_validate(result).model_dump(exclude_unset=True)
     seconds = round(time.perf_counter() - t0, 4)
     ctx.store.write_record(
         k,

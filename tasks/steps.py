@@ -20,7 +20,15 @@ from rollout.types import RolloutBatch
 from tasks import colocate, faults, runner
 from tasks.engines import ensure_engine_serves, kill_train_rank0, target_version, transport_for
 from tasks.runner import Step
-from tasks.types import VerifyRecord
+from tasks.types import (
+    IterationRow,
+    PublishResult,
+    ReloadResult,
+    RolloutResult,
+    SaveResult,
+    TrainResult,
+    VerifyRecord,
+)
 from tasks.verify import check_serves, now, rollout_version
 
 __all__ = [
@@ -220,8 +228,16 @@ def _verify(ctx, k: int, engine_id: int) -> Result:
             f"rollout[k={k}] samples carry weight_version {sampled}, expected v{expected}; "
             f"delete ledger/iter_{k:06d}/rollout.json and rollouts/iter_{k:06d}.json and rerun"
         )
-    record = VerifyRecord(engine_id, v, True, served, sampled, expected, now())
-    return record.to_json()
+    record = VerifyRecord(
+        engine=engine_id,
+        version=v,
+        verified=True,
+        served=served,
+        rollout_weight_version=sampled,
+        rollout_expected=expected,
+        checked_at=now(),
+    )
+    return record.model_dump()
 
 
 # -- finish -----------------------------------------------------------------------
@@ -256,6 +272,7 @@ ROLLOUT = Step(
     turn="rollout",
     skip=_rollout_saved,
     ready=_engines_serve_source,
+    result=RolloutResult,
 )
 TRAIN = Step(
     "train",
@@ -265,6 +282,7 @@ TRAIN = Step(
     kill="train_rank0",
     turn="training",
     ready=_state(lambda k: k - 1),
+    result=TrainResult,
 )
 SAVE = Step(
     "save",
@@ -275,6 +293,7 @@ SAVE = Step(
     turn="training",
     skip=_save_skipped,
     ready=_state(lambda k: k),
+    result=SaveResult,
 )
 PUBLISH = Step(
     "publish",
@@ -286,9 +305,18 @@ PUBLISH = Step(
     skip=lambda ctx, k: None if publish_due(ctx, k) else {"published": False},
     needs=_unpublished,
     ready=_state(lambda k: k),
+    result=PublishResult,
 )
 # Reload declares no turn: the transport decides it (``tasks.engines``).
-RELOAD = Step("reload", "reload_engine", _reload, per_engine=True, fault="reload", kill="engine")
+RELOAD = Step(
+    "reload",
+    "reload_engine",
+    _reload,
+    per_engine=True,
+    fault="reload",
+    kill="engine",
+    result=ReloadResult,
+)
 # Verify is an audit: it runs every time and rewrites its record when it passes.
 VERIFY = Step(
     "verify",
@@ -299,8 +327,9 @@ VERIFY = Step(
     kill="engine",
     turn="engine",
     audit=True,
+    result=VerifyRecord,
 )
-FINISH = Step("iteration", "finish_iteration", _finish)  # the iteration's commit
+FINISH = Step("iteration", "finish_iteration", _finish, result=IterationRow)  # the commit
 
 # Every step of an iteration, in the order of the on-policy chain (``tasks.plan`` is the DAG).
 STEPS: tuple[Step, ...] = (ROLLOUT, TRAIN, SAVE, PUBLISH, RELOAD, VERIFY)

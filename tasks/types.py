@@ -1,13 +1,75 @@
-"""Typed records of the iteration's steps, as persisted in the ledger (JSON)."""
+"""Typed results of the iteration's steps: what ``ledger/iter_k/<step>.json``
+holds under ``result``, and what each Prefect task run returns.
+
+Each ``Step`` declares its result model (``Step.result``); the runner validates
+the step's output against it before the commit, so a step cannot commit a shape
+its readers do not expect. They travel as JSON dicts (the ledger, Prefect's
+persisted results): ``model_dump(exclude_unset=True)`` keeps a record exactly
+what the step set. Records already in a ledger are returned as they are, never
+re-validated, so a run written by an older version still resumes.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
 
-@dataclass(frozen=True)
-class VerifyRecord:
+
+class StepResult(BaseModel):
+    """What every step may add: warnings to show, and device states when colocated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    warnings: list[str] = []  # e.g. a corrupt checkpoint skipped, a background save lost
+    memory: dict[str, Any] | None = None  # colocated: device states the step left
+
+
+class RolloutResult(StepResult):
+    reward_mean: float  # mean reward of the batch
+    reward_max: float
+    samples: int  # batch_size * n_samples_per_prompt
+    response_tokens: int
+    gen_s: float | None  # generation seconds; None when the batch was reused
+    gen_tokens_per_s: float | None
+    weight_version: int | None  # the version every sample came from
+    reused: bool  # True: the persisted batch of an earlier attempt
+    example: str  # one response, for the console line
+
+
+class TrainResult(StepResult):
+    """Trainer metrics, already all-reduced; losses add their own (pg_loss, clip_frac, ...)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    iteration: int
+    loss: float
+    kl: float | None = None
+    tokens_per_s: float | None = None
+
+
+class SaveResult(StepResult):
+    saved: bool  # False: not due this iteration
+    existing: bool = False  # the checkpoint was already committed
+    background: bool = False  # written by a thread after the step returned
+    save_s: float | None = None
+
+
+class PublishResult(StepResult):
+    published: bool  # False: not due (in-memory transports publish every publish_interval)
+    version: int | None = None
+    url: str | None = None  # the version folder
+    bytes: int | None = None  # total bytes of its files
+    publish_s: float | None = None  # 0.0: already committed
+
+
+class ReloadResult(StepResult):
+    engine: int
+    version: int  # what the engine serves after the step
+    reload_s: float
+
+
+class VerifyRecord(StepResult):
     """``ledger/iter_k/verify-e{i}.json``: what verify saw when it last passed."""
 
     engine: int  # engine id
@@ -18,5 +80,16 @@ class VerifyRecord:
     rollout_expected: int | None  # the version those samples had to come from
     checked_at: str  # UTC ISO time of the check
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+
+class IterationRow(StepResult):
+    """The iteration's commit: its metrics row (``metrics/iter_k.json``)."""
+
+    iteration: int
+    reward_mean: float
+    loss: float | None
+    kl: float | None
+    gen_tokens_per_s: float | None
+    train_tokens_per_s: float | None
+    publish_s: float | None
+    reload_s: float
+    example: str | None

@@ -61,10 +61,8 @@ def snapshot(
         return None
     snap = {"model": model_sd, "optim": optim_sd, "rng": rng_state()}
     if copy:
-        live = {t.untyped_storage().data_ptr() for t in _tensors(optim.state)}
-        live |= {p.untyped_storage().data_ptr() for p in model.parameters()}
-        live |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-        snap = _copied(snap, live)
+        owned = [*_tensors(optim.state), *model.parameters(), *model.buffers()]
+        snap = _copied(snap, {_storage(t) for t in owned})
     return snap
 
 
@@ -94,11 +92,17 @@ def _tensors(tree: Any):
             yield from _tensors(v)
 
 
+def _storage(t: torch.Tensor) -> int:
+    """Where a tensor's memory starts (a DTensor's: its local shard's)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().data_ptr()
+
+
 def _copied(tree: Any, live: set[int]) -> Any:
-    """``tree`` with every tensor that shares storage with ``live`` cloned."""
+    """``tree`` with every tensor that shares storage with ``live`` cloned (gathered
+    FSDP state is a fresh copy already; a one-rank CPU model's is the live tensors)."""
     if isinstance(tree, torch.Tensor):
-        shared = tree.untyped_storage().data_ptr() in live
-        return tree.detach().clone() if shared else tree
+        return tree.detach().clone() if _storage(tree) in live else tree
     if isinstance(tree, dict):
         return {k: _copied(v, live) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):

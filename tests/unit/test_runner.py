@@ -91,3 +91,17 @@ def test_the_iteration_is_declared_once():
     assert [s.name for s in steps.STEPS if s.audit] == ["verify"]
     # every fault point of the e2e matrix is declared by exactly one step
     assert sorted(s.fault for s in steps.STEPS) == sorted(names)
+    # every step declares the model its result is checked against before the commit
+    assert all(s.result is not None for s in (*steps.STEPS, steps.FINISH))
+
+
+def test_a_result_of_the_wrong_shape_is_refused_before_the_commit(tmp_path):
+    from tasks.types import ReloadResult
+
+    ctx = make_ctx(tmp_path)
+    step = Step(
+        "r", "r_task", lambda ctx, k, e: {"engine": 0, "version": "v1"}, result=ReloadResult
+    )
+    with pytest.raises(ValueError, match="reload_s"):
+        runner.run(ctx, step, 1)
+    assert ctx.store.read_record(1, "r") is None
