@@ -33,6 +33,15 @@ def _run(args: argparse.Namespace) -> int:
     from flows.progress import continue_hint
     from tasks import reaper
 
+    if _complete(cfg):
+        # Nothing to run: answer without a Prefect server, Ray or the lease.
+        print(
+            f"nothing to do: run {cfg.run.name!r} is complete ({_committed(cfg)} iterations "
+            f"committed, run.iterations={cfg.run.iterations})"
+        )
+        print(continue_hint(args.config, args.set, _committed(cfg), plain=args.plain))
+        return 0
+
     # Before anything starts a process (Prefect's temporary server, a local Ray
     # cluster): whatever this run starts ends with it, even after a SIGKILL.
     reaper.guard()
@@ -58,6 +67,17 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     print(continue_hint(args.config, args.set, _committed(cfg)))
     return 0
+
+
+def _complete(cfg: RunConfig) -> bool:
+    """True when iteration ``run.iterations`` is committed (its ``iteration`` record,
+    the last commit of an iteration; iterations commit in order)."""
+    from storage.run_store import RunStore
+
+    last = cfg.run.iterations
+    return (
+        last == 0 or RunStore(cfg.storage, cfg.run.name).read_record(last, "iteration") is not None
+    )
 
 
 def _committed(cfg: RunConfig) -> int:

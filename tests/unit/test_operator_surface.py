@@ -104,3 +104,19 @@ def test_runs_lists_each_run_with_its_state(tmp_path, capsys):
     assert set(rows) == {"done", "held"}
     assert rows["done"].split()[1] == "2" and "e0=v2, e1=v1" in rows["done"]
     assert "held by otherhost:12 (live)" in rows["held"]
+
+
+def test_a_complete_run_answers_at_once_with_how_to_continue(tmp_path, capsys):
+    sets = [f"storage.root={tmp_path}", "run.name=done", "run.iterations=2"]
+    cfg = load_config("configs/tiny-cpu.yaml", sets)
+    store = RunStore(cfg.storage, "done")
+    store.write_run_json({"config": cfg.model_dump(mode="json")})
+    for k in (1, 2):
+        store.append_metrics(k, {"iteration": k, "reward_mean": 0.5})
+        store.write_record(k, "iteration", {"result": {}})
+    code = main(["run", "configs/tiny-cpu.yaml", *[a for s in sets for a in ("--set", s)]])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "nothing to do: run 'done' is complete (2 iterations committed" in out
+    assert "--set run.name=done --set run.iterations=12" in out
+    assert store.read_lease() is None  # no lease, no flow run, no Ray: nothing started
