@@ -5,7 +5,6 @@ from the API as the UI's Retry button does, and the maintenance deployments
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 
@@ -59,12 +58,7 @@ def overrides(stack, root, name: str, **extra) -> dict:
 
 
 def training(**params) -> dict:
-    """rl-training's parameters: at the top level, or under ``params`` while the flow
-    still takes its model as one argument."""
-    from flows.rl_training import rl_training
-
-    if list(inspect.signature(rl_training.fn).parameters) == ["params"]:
-        return {"params": params}
+    """rl-training's parameters (top-level: ``--param extra_iterations=1`` works too)."""
     return params
 
 
