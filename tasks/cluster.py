@@ -95,18 +95,41 @@ def connect_ray(cfg: RunConfig) -> None:
     check_cpus(cfg, address)
 
 
-def check_cpus(cfg: RunConfig, address: str) -> None:
-    """Refuse a cluster too small for the run's actors: their placement groups
-    would stay pending (``Pending Demands``) and the run would wait silently."""
-    need, have = actor_cpus(cfg), ray.cluster_resources().get("CPU", 0.0)
+def actor_gpus(cfg: RunConfig) -> float:
+    """The GPUs the run's actors reserve when each side has its own (colocated, they share)."""
+    e, t = cfg.engines, cfg.train
+    if cfg.placement.colocate:
+        return 0.0
+    return e.num_engines * e.tp_size * e.num_gpus_per_engine + t.num_workers * t.num_gpus_per_worker
+
+
+def shortfall(cfg: RunConfig, address: str, total: dict[str, float]) -> str | None:
+    """Why a cluster of ``total`` resources cannot hold the run's actors (None: it can)."""
+    need, have = actor_cpus(cfg), total.get("CPU", 0.0)
     if have < need:
-        ray.shutdown()
-        raise ConfigError(
+        return (
             f"the Ray cluster at {address} has {have:g} CPUs but the run's engines and train "
             f"ranks reserve {need:g}; start its head with more logical CPUs "
             f"(ray start --head --num-cpus={int(need) + LOCAL_SPARE_CPUS}), or lower "
             "engines.num_cpus_per_engine / train.num_cpus_per_worker"
         )
+    need, have = actor_gpus(cfg), total.get("GPU", 0.0)
+    if have < need:
+        return (
+            f"the Ray cluster at {address} has {have:g} GPUs but the run's engines and train "
+            f"ranks reserve {need:g}; start its nodes on GPU machines, or lower "
+            "engines.num_gpus_per_engine / train.num_gpus_per_worker"
+        )
+    return None
+
+
+def check_cpus(cfg: RunConfig, address: str) -> None:
+    """Refuse a cluster too small for the run's actors: their placement groups
+    would stay pending (``Pending Demands``) and the run would wait silently."""
+    why = shortfall(cfg, address, ray.cluster_resources())
+    if why is not None:
+        ray.shutdown()
+        raise ConfigError(why)
 
 
 def start_local_ray(num_cpus: int, namespace: str) -> None:

@@ -13,7 +13,7 @@ from flows.config import ConfigError, load_config
 from flows.params import takes
 from flows.progress import continue_hint
 from storage.run_store import RunStore
-from tasks.cluster import check_address, gcs_endpoint
+from tasks.cluster import check_address, gcs_endpoint, shortfall
 
 
 def dead_port() -> int:
@@ -120,3 +120,15 @@ def test_a_complete_run_answers_at_once_with_how_to_continue(tmp_path, capsys):
     assert "nothing to do: run 'done' is complete (2 iterations committed" in out
     assert "--set run.name=done --set run.iterations=12" in out
     assert store.read_lease() is None  # no lease, no flow run, no Ray: nothing started
+
+
+def test_a_cluster_too_small_for_the_runs_actors_is_refused_with_what_it_needs():
+    cfg = load_config("configs/tiny-cpu.yaml", ["engines.num_engines=4"])  # 4 + 1 CPUs
+    why = shortfall(cfg, "10.0.0.1:6379", {"CPU": 2.0})
+    assert "has 2 CPUs but the run's engines and train ranks reserve 5" in why
+    assert "ray start --head --num-cpus=9" in why
+    gpu = load_config("configs/gpu-0.5b.yaml")  # half a GPU each for engine and trainer
+    assert "has 0 GPUs but the run's engines and train ranks reserve 1" in shortfall(
+        gpu, "10.0.0.1:6379", {"CPU": 8.0}
+    )
+    assert shortfall(gpu, "10.0.0.1:6379", {"CPU": 8.0, "GPU": 1.0}) is None
