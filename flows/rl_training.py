@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flows import artifacts
 from flows.config import RunConfig, load_config
+from flows.console import one_line_failures
 from flows.iteration import run_iteration
 from flows.params import takes
 from flows.progress import iteration_line, summary
@@ -74,6 +75,7 @@ def _run_name() -> str:
 )
 @takes(TrainingParams)
 def rl_training(params: TrainingParams) -> dict[str, Any]:
+    one_line_failures()
     logger = get_run_logger()
     cfg = load_config(params.config_path, params.overrides)
     tag_flow_run(cfg.run.name)
