@@ -70,9 +70,11 @@ def test_pack_rows_restarts_positions_and_drops_cross_sample_targets():
     assert keep.tolist() == [True, True, False, True]
 
 
-def test_packing_is_refused_for_megatron():
+def test_packing_is_refused_for_megatron_and_without_a_token_budget():
     with pytest.raises(ValueError, match="pack_sequences needs backend: torch"):
-        TrainConfig(backend="megatron", pack_sequences=True)
+        TrainConfig(backend="megatron", pack_sequences=True, max_tokens_per_micro_batch=64)
+    with pytest.raises(ValueError, match="set train.max_tokens_per_micro_batch"):
+        TrainConfig(pack_sequences=True)
 
 
 def _step(model, full, cfg: TrainConfig, loss_cfg: LossConfig) -> tuple[float, list]:

@@ -96,6 +96,7 @@ REQUIRES: dict[str, dict[str, Any]] = {
     "train.loss.gspo_clip_eps_low": {"train.loss.kind": "gspo"},
     "train.loss.gspo_clip_eps_high": {"train.loss.kind": "gspo"},
     "train.loss.overlong_buffer": {"train.loss.max_response_tokens": 64},
+    "train.pack_sequences": {"train.max_tokens_per_micro_batch": 64},
     **{f"train.critic.{k}": {"train.loss.advantage": "gae"} for k in CRITIC_LEAVES},
 }
 
