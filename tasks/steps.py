@@ -173,23 +173,27 @@ def _unpublished(ctx, k: int) -> bool:
 
 
 def _publish(ctx, k: int, engine_id: int | None) -> Result:
+    """Publish trainer state k as weights/v{k}. In the background when the engines
+    get their weights in memory (tensor/distributed) and it is not the run's last
+    version: nothing waits for this copy but a later recovery, which falls back to
+    an older committed version. Disk transports reload from it: written at once."""
     store = ctx.store
-    publish_s = 0.0
+    background = transport_for(ctx).pushes and not _is_last(ctx, k)
+    background = background and not ctx.cfg.train.release_after_publish
+    out: Result = {"published": True, "version": k, "url": store.version_url(k)}
     if _unpublished(ctx, k):
-        parent = store.latest_version()
         t0 = time.perf_counter()
-        ctx.trainer().export_hf(k, k, parent)
-        publish_s = time.perf_counter() - t0
+        summary = ctx.trainer().export_hf(k, k, store.latest_version(), background=background)
+        out["publish_s"] = time.perf_counter() - t0
+        out["warnings"] = list(summary.get("warnings") or [])
+        out["background"] = bool(summary.get("background"))
+    else:
+        out["publish_s"] = 0.0
     if ctx.cfg.train.release_after_publish:
         ctx.trainer().release()
-    manifest = store.read_manifest(k)
-    return {
-        "published": True,
-        "version": k,
-        "url": store.version_url(k),
-        "bytes": sum(f.bytes for f in manifest.files),
-        "publish_s": publish_s,
-    }
+    if not out.get("background"):
+        out["bytes"] = sum(f.bytes for f in store.read_manifest(k).files)
+    return out
 
 
 # -- reload, verify -------------------------------------------------------------

@@ -59,8 +59,9 @@ class PublishResult(StepResult):
     published: bool  # False: not due (in-memory transports publish every publish_interval)
     version: int | None = None
     url: str | None = None  # the version folder
-    bytes: int | None = None  # total bytes of its files
+    bytes: int | None = None  # total bytes of its files (unknown while written in the background)
     publish_s: float | None = None  # 0.0: already committed
+    background: bool = False  # written by a thread after the step returned
 
 
 class ReloadResult(StepResult):

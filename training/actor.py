@@ -21,12 +21,12 @@ import torch
 
 from rollout.types import RolloutBatch
 from training import backend_torch as bt
-from training import checkpoint
 from training.algorithm import policy_loss
-from training.background_save import BackgroundSaver
+from training.background_save import CHECKPOINT_LOST, VERSION_LOST, BackgroundSaver
 from training.batch import build_train_batch, rank_micro_batches
 from training.config import RunIdentity, TrainerSections
-from training.export import drop_tied, manifest_dict, write_hf_weights
+from training.durable import DurableState
+from training.export import drop_tied
 
 
 class StateMismatchError(RuntimeError):
@@ -37,7 +37,7 @@ def step_seed(seed: int, k: int, rank: int) -> int:
     return (seed * 1_000_003 + k * 1_009 + rank) % (2**63 - 1)
 
 
-class TrainActor:
+class TrainActor(DurableState):
     def __init__(
         self,
         identity: RunIdentity,
@@ -61,7 +61,9 @@ class TrainActor:
         self.pad_id = 0
         self._iteration: int | None = None
         self._stores: dict[int | None, Any] = {}  # by fence
-        self._saver = BackgroundSaver()  # background checkpoint writes (save_checkpoint)
+        # Background writes of checkpoints (save_checkpoint) and published versions (export_hf).
+        self._saver = BackgroundSaver("checkpoint", CHECKPOINT_LOST)
+        self._publisher = BackgroundSaver("weights version", VERSION_LOST)
 
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:
@@ -110,80 +112,6 @@ class TrainActor:
         self.base_model_path = model_path
         self._iteration = 0
         return 0
-
-    def load_checkpoint(self, k: int) -> int:
-        """Restore model, optimizer and RNG of checkpoint ``k`` (after init_from_base)."""
-        self._require_model()
-        meta = checkpoint.load(self.store(), k, self.model, self.optim)
-        self._iteration = int(meta["iteration"])
-        return self._iteration
-
-    def save_checkpoint(
-        self,
-        k: int,
-        meta_extra: dict | None = None,
-        fence: int | None = None,
-        background: bool = False,
-        fail_background: bool = False,
-    ) -> dict | None:
-        """Collective. Rank 0 commits ``checkpoints/iter_k`` (fenced) and returns its meta.
-
-        ``background``: the state is copied to host memory now and written by a
-        thread (``training.background_save``); the meta says so and carries the
-        failures of earlier background writes as ``warnings``. ``fail_background``
-        fails that write on purpose (fault injection)."""
-        self._require_at(k, "save_checkpoint")
-        warnings = self.wait_saved()  # one write in flight at a time
-        store = self.store(fence)
-        if k in store.committed_checkpoints():  # committed checkpoints are never rewritten
-            return store.read_checkpoint_meta(k) if self.rank == 0 else None
-        meta = {"iteration": k, "weights_version": k, "seed": self.seed, **(meta_extra or {})}
-        meta["world_size"] = self.world_size
-        snap = checkpoint.snapshot(self.model, self.optim, self.rank, copy=background)
-        if snap is None:
-            return None
-        if not background:
-            return {**checkpoint.write(store, k, snap, meta), "warnings": warnings}
-        self._saver.start(k, lambda: checkpoint.write(store, k, snap, meta), fail_background)
-        return {**meta, "background": True, "warnings": warnings}
-
-    def wait_saved(self) -> list[str]:
-        """Wait for the background checkpoint write in flight; failures since last asked."""
-        return self._saver.wait()
-
-    def export_hf(
-        self, version: int, iteration: int, parent: int | None, fence: int | None = None
-    ) -> dict | None:
-        """Collective. Rank 0 publishes ``weights/v{version}`` (fenced); returns a summary."""
-        self._require_model()
-        store = self.store(fence)
-        if version in store.committed_versions():  # a committed version is never rewritten
-            if self.rank != 0:
-                return None
-            manifest = manifest_dict(store.read_manifest(version))
-            names = [f["name"] for f in manifest["files"]]
-            return {
-                "version": version,
-                "iteration": manifest["iteration"],
-                "parent": manifest["parent"],
-                "files": names,
-                "manifest": manifest,
-                "shards": sum(n.endswith(".safetensors") for n in names),
-                "reused": True,
-            }
-        state = self._hf_state()  # collective: every rank takes part in the gather
-        if self.rank != 0:
-            return None
-        writer = store.weights_writer(version, iteration, parent)
-        written = write_hf_weights(writer, state, self.weights_cfg.shard_size, self.base_model_path)
-        manifest = manifest_dict(writer.commit())
-        return {
-            "version": version,
-            "iteration": iteration,
-            "parent": parent,
-            **written,
-            "manifest": manifest,
-        }
 
     def push_weights(
         self,

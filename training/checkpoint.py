@@ -81,6 +81,13 @@ def write(store: Any, k: int, snap: dict[str, Any], meta: dict) -> dict:
     return meta
 
 
+def host_copy(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A gathered state dict that shares no memory with the live ``model``, so the
+    model can train on while it is written (a one-rank CPU model's is the live tensors)."""
+    owned = [*model.parameters(), *model.buffers()]
+    return _copied(state, {_storage(t) for t in owned})
+
+
 def _tensors(tree: Any):
     if isinstance(tree, torch.Tensor):
         yield tree

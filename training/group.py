@@ -282,8 +282,14 @@ class TrainGroup:
         refs = [a.wait_saved.remote() for a in self.actors()]
         return [w for ws in self._get(refs, "wait_saved()") for w in ws]
 
-    def export_hf(self, version: int, iteration: int, parent: int | None) -> dict:
-        refs = [a.export_hf.remote(version, iteration, parent, self.fence) for a in self.actors()]
+    def export_hf(
+        self, version: int, iteration: int, parent: int | None, background: bool = False
+    ) -> dict:
+        """Publish trainer state as ``weights/v{version}`` (see ``TrainActor.export_hf``)."""
+        refs = [
+            a.export_hf.remote(version, iteration, parent, self.fence, background)
+            for a in self.actors()
+        ]
         return self._get(refs, f"export_hf(v{version})")[0]
 
     def _get(self, refs: Any, call: str) -> Any:
