@@ -17,8 +17,12 @@ class RolloutConfig(BaseModel):
     task: str = Field(
         "reverse", description="Builtin task name or a path to a .jsonl or .parquet file"
     )
-    input_key: str = Field("prompt", description="Dataset field with the prompt text")
-    label_key: str = Field("label", description="Dataset field with the reference answer")
+    input_key: str = Field(
+        "prompt", description="Dataset field with the prompt text (a.b reaches a nested field)"
+    )
+    label_key: str = Field(
+        "label", description="Dataset field with the reference answer (a.b reaches a nested field)"
+    )
     chat_template: bool = Field(
         False,
         description="Send each prompt as the user turn of the tokenizer's chat template "

@@ -56,11 +56,7 @@ def _prompt(row: object, where: str, input_key: str, label_key: str, index: int)
         raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
     values = []
     for key, what in ((input_key, "rollout.input_key"), (label_key, "rollout.label_key")):
-        if key not in row:
-            raise DatasetError(
-                f"{where}: missing key {key!r}; it has {sorted(row)}; set {what} to the right field"
-            )
-        value = row[key]
+        value = _lookup(row, key, where, what)
         if value is None:
             raise DatasetError(f"{where}: key {key!r} is null; fill it in or drop the row")
         # The prompt must be text; a label may be a number (compared as its text).
@@ -72,6 +68,24 @@ def _prompt(row: object, where: str, input_key: str, label_key: str, index: int)
             )
         values.append(str(value))
     return Prompt(index=index, text=values[0], label=values[1])
+
+
+def _lookup(row: dict, key: str, where: str, what: str) -> Any:
+    """``row[key]``; a dotted key (``reward_model.ground_truth``) that is not a
+    field itself walks nested objects, as in verl-style datasets."""
+    if key in row:
+        return row[key]
+    value: Any = row
+    for depth, part in enumerate(key.split(".")):
+        if not isinstance(value, dict) or part not in value:
+            at = ".".join(key.split(".")[:depth]) or "the row"
+            has = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise DatasetError(
+                f"{where}: missing key {key!r} ({part!r} not in {at}, which has {has}); "
+                f"set {what} to the right field"
+            )
+        value = value[part]
+    return value
 
 
 def load_jsonl(path: str | Path, input_key: str, label_key: str) -> list[Prompt]:
@@ -104,12 +118,16 @@ def load_parquet(path: str | Path, input_key: str, label_key: str) -> list[Promp
         table = pq.read_table(p)
     except Exception as e:  # pyarrow raises several types for a damaged file
         raise DatasetError(f"{p}: not a readable Parquet file ({e})") from None
+    columns = []
     for key, what in ((input_key, "rollout.input_key"), (label_key, "rollout.label_key")):
-        if key not in table.column_names:
+        # A dotted key names a field inside a struct column (checked per row).
+        column = key if key in table.column_names else key.split(".")[0]
+        if column not in table.column_names:
             raise DatasetError(
                 f"{p}: no column {key!r}; it has {table.column_names}; set {what} to the right column"
             )
-    rows = table.select([input_key, label_key]).to_pylist()
+        columns.append(column)
+    rows = table.select(sorted(set(columns))).to_pylist()
     return [_prompt(r, f"{p}: row {i}", input_key, label_key, i - 1) for i, r in enumerate(rows, 1)]
 
 

@@ -126,3 +126,25 @@ def test_json_lines_and_parquet_give_the_same_prompts(tmp_path):
         return PromptSource(RolloutConfig(task=task, input_key="p", label_key="l", batch_size=4), 3)
 
     assert batch(str(jl)).batch(2) == batch(pqt).batch(2)
+
+
+def test_dotted_keys_reach_nested_fields_in_both_formats(tmp_path):
+    """verl-style rows: the label inside a struct (Parquet) or an object (JSONL)."""
+    rows = [{"q": f"{i}+1=", "reward_model": {"ground_truth": str(i + 1)}} for i in range(3)]
+    jl = tmp_path / "d.jsonl"
+    jl.write_text("\n".join(json.dumps(r) for r in rows))
+    pqt = str(tmp_path / "d.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), pqt)
+    for task in (str(jl), pqt):
+        cfg = RolloutConfig(
+            task=task, input_key="q", label_key="reward_model.ground_truth", batch_size=3
+        )
+        got = sorted((p.text, p.label) for p in PromptSource(cfg, seed=0).batch(1))
+        assert got == [("0+1=", "1"), ("1+1=", "2"), ("2+1=", "3")]
+    jl.write_text(json.dumps({"q": "1", "reward_model": {"style": "rule"}}))
+    cfg = RolloutConfig(task=str(jl), input_key="q", label_key="reward_model.ground_truth")
+    with pytest.raises(
+        DatasetError,
+        match=r"d.jsonl:1: missing key 'reward_model.ground_truth' \('ground_truth' not in reward_model, which has \['style'\]\)",
+    ):
+        PromptSource(cfg, seed=0)
