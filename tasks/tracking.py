@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from storage.config import StorageConfig
 
@@ -47,6 +47,18 @@ class MlflowConfig(BaseModel):
         "None: sqlite:///{storage.root}/{run.name}/mlflow.db",
     )
     experiment: str = Field("prefect-rl", description="MLflow experiment the run is logged in")
+
+    @model_validator(mode="after")
+    def _no_credentials(self) -> MlflowConfig:
+        # The config lands in run.json and flow parameters; the message never repeats the URI.
+        scheme, sep, rest = (self.tracking_uri or "").partition("://")
+        if sep and "@" in rest.split("/", 1)[0]:
+            raise ValueError(
+                f"tracking.mlflow.tracking_uri ({scheme}://...) contains credentials; remove "
+                "them and set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or "
+                "MLFLOW_TRACKING_TOKEN) in the environment"
+            )
+        return self
 
 
 class WandbConfig(BaseModel):

@@ -181,3 +181,11 @@ def test_remote_root_needs_a_local_folder():
     )
     with pytest.raises(ValueError, match="set tracking.tensorboard.log_dir"):
         tracking.check(cfg)
+
+
+def test_mlflow_uri_with_credentials_is_refused_without_echoing_them():
+    from flows.config import ConfigError
+
+    with pytest.raises(ConfigError, match="set MLFLOW_TRACKING_USERNAME") as err:
+        load_config(None, {"tracking.mlflow.tracking_uri": "https://bob:s3cret@mlflow.example"})
+    assert "s3cret" not in str(err.value)
