@@ -178,7 +178,7 @@ class TrainConfig(BaseModel):
     megatron: MegatronConfig = MegatronConfig()
 
     @model_validator(mode="after")
-    def _check_packing(self) -> TrainConfig:
+    def _check_combination(self) -> TrainConfig:
         if self.loss.advantage == "gae" and self.backend != "torch":
             raise ValueError(
                 "train.loss.advantage gae trains a critic, which only the torch backend has; "
