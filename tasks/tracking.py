@@ -203,8 +203,8 @@ def _quote(value: str) -> str:
 class WandbTracker:
     """An offline W&B run with an id derived from the run; each session writes its
     own offline folder (``wandb sync`` merges them into one run). W&B's writer is
-    asynchronous: a process killed right after a row may lose that row (the
-    next session's read-back then logs it again), never write it twice."""
+    asynchronous: a process killed right after a row may lose it (a rerun finish
+    step logs it again; one already committed leaves a gap), never write it twice."""
 
     def __init__(self, project: str, folder: Path, run_name: str, run_id: str) -> None:
         import wandb
