@@ -42,7 +42,9 @@ def run_plain(
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     with LeaseKeeper(ctx) as keeper:
-        for k in range(steps.first_unfinished(ctx), cfg.run.iterations + 1):
+        for k in range(
+            steps.first_unfinished(ctx.store, cfg.run.iterations), cfg.run.iterations + 1
+        ):
             keeper.check()
             rows.append(run_iteration(ctx, k))
             if not quiet:

@@ -20,6 +20,7 @@ from flows.iteration import run_iteration
 from flows.params import takes
 from flows.progress import iteration_line, summary
 from flows.run_tags import tag_flow_run
+from storage.run_store import RunStore
 from tasks import steps
 from tasks.lease import LeaseKeeper
 from tasks.prepare import prepare_run
@@ -81,25 +82,30 @@ def rl_training(params: TrainingParams) -> dict[str, Any]:
     tag_flow_run(cfg.run.name)
     if params.extra_iterations:
         cfg = continued(cfg, params.extra_iterations)
-    ctx = prepare_run(cfg, force_lease=params.force_lease)
-    start = steps.first_unfinished(ctx)
     total = cfg.run.iterations
+    store = RunStore(cfg.storage, cfg.run.name)
+    if steps.first_unfinished(store, total) > total:
+        # Nothing to run: answer before the lease, Ray or any actor.
+        done = steps.first_unfinished(store, 10**9) - 1
+        logger.info(
+            "run %r is complete: %d iterations committed (run.iterations=%d); nothing to do. "
+            "To continue it, raise run.iterations (overrides {'run.iterations': %d}) or pass "
+            "extra_iterations",
+            cfg.run.name,
+            done,
+            total,
+            done + 10,
+        )
+        return {"run": cfg.run.name, "iterations": [], "seconds": [], "summary": "complete"}
+    ctx = prepare_run(cfg, force_lease=params.force_lease)
+    start = steps.first_unfinished(ctx.store, total)
     rows: list[dict[str, Any]] = []
     seconds: list[float] = []
     t0 = time.perf_counter()
     with LeaseKeeper(ctx) as keeper:
-        if start > total:
-            logger.info(
-                "run %r is complete (%d iterations); nothing to do. To continue it, raise "
-                "run.iterations (--set run.iterations=%d) or pass extra_iterations",
-                cfg.run.name,
-                total,
-                total + 10,
-            )
-        else:
-            logger.info(
-                "run %r: iterations %d..%d (store %s)", cfg.run.name, start, total, ctx.store.url
-            )
+        logger.info(
+            "run %r: iterations %d..%d (store %s)", cfg.run.name, start, total, ctx.store.url
+        )
         progress = artifacts.start_progress(cfg.run.name, start - 1, total)
         step_seconds: dict[str, float] = {}
         with artifacts.Reporter() as report:
@@ -140,8 +146,6 @@ def add_step_seconds(totals: dict[str, float], out: dict[str, Any]) -> None:
 
 def continued(cfg: RunConfig, extra: int) -> RunConfig:
     """The config with run.iterations set to (last committed iteration + extra)."""
-    from storage.run_store import RunStore
-
     store = RunStore(cfg.storage, cfg.run.name)
     done = max((m["iteration"] for m in store.read_metrics()), default=0)
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"iterations": done + extra})})

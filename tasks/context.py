@@ -63,6 +63,8 @@ class RunContext:
             self.cfg.engines,
             namespace=self.cfg.ray.namespace,
             placement=self.placement(),
+            # The step's deadline: every wait on an engine ends by it (engines.deadline).
+            call_timeout_s=self.cfg.tasks.timeout_s,
         )
 
     def trainer(self):  # -> training.group.TrainGroup
@@ -72,7 +74,11 @@ class RunContext:
         c = self.cfg
         run = RunIdentity(name=c.run.name, seed=c.run.seed, namespace=c.ray.namespace)
         return TrainGroup(
-            run, TrainerSections.of(self.cfg), placement=self.placement(), fence=self.fence
+            run,
+            TrainerSections.of(self.cfg),
+            placement=self.placement(),
+            fence=self.fence,
+            call_timeout_s=self.cfg.tasks.timeout_s,
         )
 
     def __getstate__(self) -> dict:

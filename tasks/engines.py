@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import ray
 
+from engines import deadline
 from tasks import colocate
 
 log = logging.getLogger("prefect_rl.engines")
@@ -303,15 +304,16 @@ def _push(ctx, group, trainer, engine_id: int, v: int) -> dict:
     w = ctx.cfg.weights
     engine = group.handle(engine_id)
     flush = v % w.flush_cache_interval == 0
-    ray.get(engine.pause_generation.remote(ctx.cfg.engines.pause_mode))
+    name, limit = group.actor_name(engine_id), ctx.cfg.tasks.timeout_s
+    deadline.get(engine.pause_generation.remote(ctx.cfg.engines.pause_mode), limit, "pause", name)
     try:
-        ray.get(engine.begin_weight_update.remote())
+        deadline.get(engine.begin_weight_update.remote(), limit, "begin_weight_update", name)
         out = trainer.push_weights(
             engine, w.transport, w.bucket_bytes, flush, group_name=f"{ctx.run_name}-wu-e{engine_id}"
         )
-        ray.get(engine.end_weight_update.remote())
+        deadline.get(engine.end_weight_update.remote(), limit, "end_weight_update", name)
     finally:
-        ray.get(engine.continue_generation.remote())
+        deadline.get(engine.continue_generation.remote(), limit, "continue_generation", name)
     return out
 
 

@@ -368,9 +368,11 @@ def finish_iteration(ctx, k: int, results: dict[str, Result]) -> Result:
     return runner.run(ctx, FINISH, k, results=results)
 
 
-def first_unfinished(ctx) -> int:
-    """The first iteration without a committed ``iteration`` record (the resume point)."""
+def first_unfinished(store, iterations: int) -> int:
+    """The first iteration <= ``iterations`` without a committed ``iteration`` record
+    (the resume point); ``iterations + 1`` when the run is complete. Reads storage
+    only: no lease, no Ray."""
     k = 1
-    while k <= ctx.cfg.run.iterations and ctx.store.read_record(k, "iteration") is not None:
+    while k <= iterations and store.read_record(k, "iteration") is not None:
         k += 1
     return k
