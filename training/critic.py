@@ -12,8 +12,7 @@ scores rollouts k with the values it holds (state k-1), writes the GAE
 advantages once, then takes its own value step; the policy's ``train(k)``
 (``train.loss.advantage: gae``) reads those advantages. A replay recomputes the
 same advantages (same state, same rollouts) and keeps the ones written first.
-What it leaves out: no per-token KL reward, and every rank scores the whole
-batch (simple, identical advantages on every rank; costs dp x the scoring).
+What it leaves out: no per-token KL reward and no critic warm-up steps.
 Never imports Prefect.
 """
 
@@ -144,19 +143,29 @@ class CriticActor(TrainActor):
         }
 
     def _score(self, full: TrainBatch) -> torch.Tensor:
-        """Values [B, T-1] of the whole batch under the current weights. Every rank
-        runs the same micro-batches (FSDP collectives pair up) and gets every row."""
-        packed = self.cfg.pack_sequences
-        values = torch.zeros(full.loss_mask.shape)
+        """Values [B, T-1] of the whole batch under the current weights: each rank
+        scores its own rows (the same micro-batch count on every rank, as FSDP's
+        collectives pair up) and an all-gather gives every rank all of them."""
+        dp, dp_rank = self._data_parallel_size(), self._data_parallel_rank()
+        start, end = rank_slice(full.size, dp_rank, dp)
+        mine = torch.zeros((end - start, full.loss_mask.shape[1]), device=self.device)
         self.model.eval()
         with torch.no_grad():
             row = 0
-            for mb in rank_micro_batches(full, 0, 1, self.cfg):
+            for mb in rank_micro_batches(full, dp_rank, dp, self.cfg):
                 mb = self._to_device(mb)
-                v = bt.token_values(self.model, mb.input_ids, mb.attention_mask, packed).cpu()
-                values[row : row + mb.size, : v.shape[1]] = v
+                v = bt.token_values(
+                    self.model, mb.input_ids, mb.attention_mask, self.cfg.pack_sequences
+                )
+                mine[row : row + mb.size, : v.shape[1]] = v
                 row += mb.size
-        return values * full.loss_mask
+        if dp > 1:
+            import torch.distributed as dist
+
+            parts = [torch.empty_like(mine) for _ in range(dp)]
+            dist.all_gather(parts, mine)
+            mine = torch.cat(parts)
+        return mine.cpu() * full.loss_mask
 
     def _gae(
         self, batch: RolloutBatch, full: TrainBatch, values: torch.Tensor

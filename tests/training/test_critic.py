@@ -130,6 +130,20 @@ def test_critic_restores_and_replays_byte_identically(ray_cluster, tiny_model, s
     assert _model_bytes(storage_cfg, "ppo-resumed", 4) == _model_bytes(
         storage_cfg, "ppo-straight", 4
     )
+    # The two ranks score their own rows and gather them: as one rank scores them all.
+    _write_same_rollouts(storage_cfg, "ppo-one-rank", range(1, 2))
+    one, _ = _groups(storage_cfg, "ppo-one-rank")
+    try:
+        one.create(tiny_model)
+        one.train(1)
+    finally:
+        one.shutdown()
+    torch.testing.assert_close(
+        CriticStore(storage_cfg, "ppo-straight").read_advantages(1),
+        CriticStore(storage_cfg, "ppo-one-rank").read_advantages(1),
+        rtol=1e-4,
+        atol=1e-5,
+    )
     for k in range(1, 5):
         a = CriticStore(storage_cfg, "ppo-straight").read_advantages(k)
         b = CriticStore(storage_cfg, "ppo-resumed").read_advantages(k)
