@@ -12,7 +12,7 @@ from typing import Any
 
 from flows.config import RunConfig
 from flows.progress import iteration_line
-from tasks import plan, runner, steps
+from tasks import plan, runner, steps, tracking
 from tasks.context import RunContext
 from tasks.lease import LeaseKeeper
 from tasks.prepare import prepare_run
@@ -42,13 +42,16 @@ def run_plain(
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     with LeaseKeeper(ctx) as keeper:
-        for k in range(
-            steps.first_unfinished(ctx.store, cfg.run.iterations), cfg.run.iterations + 1
-        ):
-            keeper.check()
-            rows.append(run_iteration(ctx, k))
-            if not quiet:
-                print(iteration_line(rows[-1], cfg.run.iterations), flush=True)
+        try:
+            for k in range(
+                steps.first_unfinished(ctx.store, cfg.run.iterations), cfg.run.iterations + 1
+            ):
+                keeper.check()
+                rows.append(run_iteration(ctx, k))
+                if not quiet:
+                    print(iteration_line(rows[-1], cfg.run.iterations), flush=True)
+        finally:
+            tracking.close()
     if not keep_actors:
         ctx.trainer().shutdown()
         if cfg.ray.address is None:

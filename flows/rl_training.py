@@ -21,7 +21,7 @@ from flows.params import takes
 from flows.progress import iteration_line, summary
 from flows.run_tags import tag_flow_run
 from storage.run_store import RunStore
-from tasks import steps
+from tasks import steps, tracking
 from tasks.lease import LeaseKeeper
 from tasks.prepare import prepare_run
 
@@ -109,16 +109,19 @@ def rl_training(params: TrainingParams) -> dict[str, Any]:
         progress = artifacts.start_progress(cfg.run.name, start - 1, total)
         step_seconds: dict[str, float] = {}
         with artifacts.Reporter() as report:
-            for k in range(start, total + 1):
-                keeper.check()  # another writer took the run over: stop before the next one
-                t_iter = time.perf_counter()
-                out = run_iteration(ctx, k)
-                seconds.append(time.perf_counter() - t_iter)
-                rows.append(out["row"])
-                add_step_seconds(step_seconds, out)
-                print(iteration_line(out["row"], total))
-                report.submit(artifacts.iteration_table, cfg.run.name, k, out["row"])
-                report.submit(artifacts.update_progress, progress, k, total)
+            try:
+                for k in range(start, total + 1):
+                    keeper.check()  # another writer took the run over: stop before the next one
+                    t_iter = time.perf_counter()
+                    out = run_iteration(ctx, k)
+                    seconds.append(time.perf_counter() - t_iter)
+                    rows.append(out["row"])
+                    add_step_seconds(step_seconds, out)
+                    print(iteration_line(out["row"], total))
+                    report.submit(artifacts.iteration_table, cfg.run.name, k, out["row"])
+                    report.submit(artifacts.update_progress, progress, k, total)
+            finally:
+                tracking.close()
         artifacts.run_summary(ctx, rows, step_seconds)
         if rows:
             # The trainer's devices are freed. Engines stay up on a persistent

@@ -16,6 +16,7 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
+from tasks import tracking
 from tasks.cluster import check_address, connect_ray, start_local_ray
 from tasks.config import ConfigError, RunConfig
 from tasks.context import RunContext
@@ -135,6 +136,7 @@ def check_run(cfg: RunConfig) -> str:
     check_root(cfg.storage)  # credentials in the URL, a file, not writable, a missing bucket
     path = base_model_path(cfg)
     check_frozen(RunContext(cfg=cfg, base_model_path=path))
+    tracking.check(cfg)  # an enabled tracker without its package or a folder to write to
     if cfg.ray.address is not None:
         check_address(cfg.ray.address)  # a dead cluster fails in seconds, before any lease
     return path

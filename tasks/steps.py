@@ -17,7 +17,7 @@ from typing import Any
 
 from rollout.procedure import VersionMismatch, generate_batch, summary
 from rollout.types import RolloutBatch
-from tasks import colocate, faults, runner
+from tasks import colocate, faults, runner, tracking
 from tasks.engines import ensure_engine_serves, kill_train_rank0, target_version, transport_for
 from tasks.runner import Step
 from tasks.types import (
@@ -261,6 +261,8 @@ def _finish(ctx, k: int, engine_id: None, results: dict[str, Result]) -> Result:
         "example": r.get("example"),
     }
     ctx.store.append_metrics(k, row)
+    # Before the iteration's commit; a tracker skips an iteration it already holds.
+    tracking.log_iteration(ctx.cfg, k, row)
     if ctx.cfg.storage.keep_last:
         ctx.store.gc(ctx.cfg.storage.keep_last)
     return row

@@ -189,3 +189,23 @@ def test_mlflow_uri_with_credentials_is_refused_without_echoing_them():
     with pytest.raises(ConfigError, match="set MLFLOW_TRACKING_USERNAME") as err:
         load_config(None, {"tracking.mlflow.tracking_uri": "https://bob:s3cret@mlflow.example"})
     assert "s3cret" not in str(err.value)
+
+
+def test_a_real_run_logs_each_iteration_once_across_a_resume(ray_cluster, tmp_path):
+    """Through the runtime: the finish step logs each iteration's row; a run
+    continued later appends to the same event files and repeats nothing."""
+    from flows.driver import run_plain
+
+    over = {
+        "run.name": "tracked",
+        "storage.root": str(tmp_path),
+        "run.iterations": 2,
+        "rollout.batch_size": 4,
+        "rollout.n_samples_per_prompt": 4,
+        "tracking.tensorboard.enabled": True,
+    }
+    run_plain(load_config("configs/tiny-cpu.yaml", over), quiet=True)
+    run_plain(load_config("configs/tiny-cpu.yaml", {**over, "run.iterations": 3}), quiet=True)
+    folder = tmp_path / "tracked" / "tensorboard"
+    acc = EventAccumulator(str(folder), purge_orphaned_data=False).Reload()
+    assert [e.step for e in acc.Scalars("reward_mean")] == [1, 2, 3]
