@@ -26,6 +26,7 @@ full tensors on every rank).
 from __future__ import annotations
 
 import io
+import logging
 import os
 import time
 import uuid
@@ -38,9 +39,10 @@ import torch.distributed as dist
 
 from engines.flat_bucket import FlatBucket, flatten, iter_buckets
 from training.broadcast_sender import BroadcastSender
-from training.weight_staging import Layout, Staging, segment_path
+from training.weight_staging import Layout, Staging, has_room, segment_path
 
 ALIGN = 64
+log = logging.getLogger(__name__)
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
@@ -154,6 +156,7 @@ class TensorPusher:
         self.layout: Layout | None = None
         self.staging: Staging | None = None
         self._bind = False  # the staging buffer holds the model's own tensors
+        self._no_room = False  # the device (or /dev/shm) cannot hold a staging buffer
         self._ranks: dict[str, int] = {}  # engine key -> tensor-parallel size
 
     def engine_ranks(self, engine: Any) -> int:
@@ -182,9 +185,17 @@ class TensorPusher:
         elif self.layout is not None:
             return self._push_resident(engine, named, version, flush_cache, gather, model)
         layout = None
-        if resident:  # learn the layout while streaming the first push
+        if resident and not self._no_room:  # learn the layout while the first push streams
             layout, named = Layout.record(named)
         out = send_streamed(engine, named, version, bucket_bytes, flush_cache, gather)
+        # One rank decides alone; ranks of a sharded trainer must agree, so they do not check.
+        if layout is not None and gather.world == 1 and not has_room(layout.nbytes(), self.device):
+            log.warning(
+                "no room for a %d-byte staging buffer on %s: weight pushes stream per bucket",
+                layout.nbytes(),
+                self.device,
+            )
+            self._no_room, layout = True, None
         self.layout = layout  # complete only once the push went through
         return None if out is None else {**out, "path": "streamed"}
 

@@ -73,6 +73,18 @@ def sweep_dead_segments() -> int:
     return removed
 
 
+def has_room(nbytes: int, device: torch.device, margin: int = 64 << 20) -> bool:
+    """Whether a staging buffer of ``nbytes`` fits: free device memory on GPU, free
+    space in the shared-memory folder on CPU (a container's /dev/shm is often
+    small, and touching a page past its limit kills the process with SIGBUS)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        st = os.statvfs(shm_dir())
+        free = st.f_bavail * st.f_frsize
+    return free >= nbytes + margin
+
+
 @dataclass(frozen=True)
 class Slot:
     name: str  # state-dict name
@@ -110,6 +122,17 @@ class Layout:
                 seen[ident] = (len(self.slots), weakref.ref(t))
             self.slots.append(Slot(name, tuple(t.shape), t.dtype, alias))
             yield name, t
+
+    def nbytes(self) -> int:
+        """Bytes a staging buffer for this layout holds (aliases once)."""
+        total = 0
+        for s in self.slots:
+            if s.alias_of is None:
+                n = torch.empty((), dtype=s.dtype).element_size()
+                for d in s.shape:
+                    n *= d
+                total += n
+        return total
 
     def check(self, i: int, name: str, t: torch.Tensor) -> None:
         if i >= len(self.slots):

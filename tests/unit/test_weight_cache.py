@@ -14,7 +14,7 @@ import torch
 from engines import weight_receiver as wr
 from engines.weight_cache import CacheMiss, ReceiverCache, apply
 from engines.weights import WeightLoadError
-from training.weight_staging import Layout, Staging, sweep_dead_segments
+from training.weight_staging import Layout, Staging, has_room, sweep_dead_segments
 
 
 class Tied(torch.nn.Module):
@@ -157,3 +157,14 @@ def test_segments_of_dead_producers_are_swept(tmp_path, monkeypatch):
     alive.write_bytes(b"x")
     assert sweep_dead_segments() == 1
     assert not dead.exists() and alive.exists()
+
+
+def test_a_staging_buffer_that_does_not_fit_is_not_made():
+    """A trainer streams per bucket when /dev/shm (or the GPU) cannot hold the model:
+    the layout counts tied weights once, and the check reads the real free space."""
+    src = Tied(0)
+    layout, items = Layout.record(_named(src))
+    list(items)
+    assert layout.nbytes() == 11 * 4 * 4 + 4 * 2
+    assert has_room(layout.nbytes(), torch.device("cpu"))
+    assert not has_room(1 << 60, torch.device("cpu"))  # an exabyte fits nowhere
