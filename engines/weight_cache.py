@@ -5,8 +5,8 @@ buffer for the whole model (``training.weight_staging``) marks its handles with
 ``cache = {"channel", "key"}``: the first handle of a key carries everything
 (IPC bytes or segment path, metadata) and is opened once; later handles of the
 same key may leave the metadata out, and the opened memory, the checked names
-and shapes and the source views are reused. The receiver keeps one entry per
-channel (one producer rank): a new key from that channel drops the old entry,
+and shapes and the source views are reused. The receiver keeps one entry (each
+receiver rank is fed by one producer rank): a new key drops the old entry,
 which releases the producer's memory. A handle whose key this receiver does not
 hold (an engine restarted since) raises ``CacheMiss``; the producer resends it
 in full. A handle without ``cache`` is opened, copied and dropped (streamed pushes).
@@ -141,7 +141,10 @@ class ReceiverCache:
         channel, key = cache["channel"], cache["key"]
         entry = self._entries.get(channel)
         if entry is None or entry.key != key:
-            self._entries.pop(channel, None)  # a new buffer from this producer: drop the old
+            # Each receiver rank is fed by one producer rank at a time: a new key (or a
+            # new producer, e.g. a restarted trainer) replaces whatever was open, which
+            # releases the old producer memory and the flats the model was bound into.
+            self._entries.clear()
             if any(p.get("metadata") is None for p in handle["parts"]):
                 raise CacheMiss(f"weight cache miss: key {key} is not open here; resend in full")
             entry = self._entries[channel] = _Entry(key, wr.open_bucket(handle, device))

@@ -168,3 +168,21 @@ def test_a_staging_buffer_that_does_not_fit_is_not_made():
     assert layout.nbytes() == 11 * 4 * 4 + 4 * 2
     assert has_room(layout.nbytes(), torch.device("cpu"))
     assert not has_room(1 << 60, torch.device("cpu"))  # an exabyte fits nowhere
+
+
+def test_a_new_producer_replaces_what_the_engine_held_open():
+    """A restarted trainer is a new producer: the engine drops the old buffer (and the
+    flats its weights were bound into) instead of keeping both."""
+    src, dst = Tied(0), Tied(1)
+    owner = type("Engine", (), {})()
+    old, new = _staging(src), _staging(src)
+    new.channel = "rank0-restarted"
+    try:
+        for staging in (old, new):
+            staging.fill(_named(src))
+            apply(owner, dst, staging.handle(full=True), torch.device("cpu"), 0, 1)
+            assert _same(src, dst)
+        assert len(owner._weight_cache._entries) == 1
+    finally:
+        old.close()
+        new.close()
