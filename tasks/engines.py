@@ -10,7 +10,6 @@ from typing import ClassVar
 
 import ray
 
-from engines import deadline
 from tasks import colocate
 
 log = logging.getLogger("prefect_rl.engines")
@@ -300,20 +299,27 @@ def _disk_reload(ctx, group, engine_id: int, v: int) -> None:
 
 def _push(ctx, group, trainer, engine_id: int, v: int) -> dict:
     """Pause (in place), push trainer state v over the in-memory transport, continue.
-    The cache is flushed with the last bucket every flush_cache_interval versions."""
+    The cache is flushed with the last bucket every flush_cache_interval versions.
+
+    The engine is controlled the way every reload controls it, through its
+    SGLang HTTP client (pause, the update session, continue); only the weights
+    themselves travel from the trainer to the engine actor over Ray."""
     w = ctx.cfg.weights
-    engine = group.handle(engine_id)
     flush = v % w.flush_cache_interval == 0
-    name, limit = group.actor_name(engine_id), ctx.cfg.tasks.timeout_s
-    deadline.get(engine.pause_generation.remote(ctx.cfg.engines.pause_mode), limit, "pause", name)
-    try:
-        deadline.get(engine.begin_weight_update.remote(), limit, "begin_weight_update", name)
-        out = trainer.push_weights(
-            engine, w.transport, w.bucket_bytes, flush, group_name=f"{ctx.run_name}-wu-e{engine_id}"
-        )
-        deadline.get(engine.end_weight_update.remote(), limit, "end_weight_update", name)
-    finally:
-        deadline.get(engine.continue_generation.remote(), limit, "continue_generation", name)
+    with engine_client(ctx, group, engine_id) as client:
+        client.pause_generation(ctx.cfg.engines.pause_mode)
+        try:
+            client.begin_weight_update()
+            out = trainer.push_weights(
+                group.handle(engine_id),
+                w.transport,
+                w.bucket_bytes,
+                flush,
+                group_name=f"{ctx.run_name}-wu-e{engine_id}",
+            )
+            client.end_weight_update()
+        finally:
+            client.continue_generation()
     return out
 
 
