@@ -82,7 +82,7 @@ def test_publish_writes_manifest_last(ray_cluster, tmp_path):
     assert os.stat(f"{vdir}/manifest.json").st_mtime_ns >= max(mtimes.values())
 
 
-def test_flow_run_on_ray_task_runner(ray_cluster, prefect_api, tmp_path):
+def test_flow_run_runs_every_step_as_a_task_run_and_resumes(ray_cluster, prefect_api, tmp_path):
     from flows.rl_training import rl_training
 
     overrides = {
