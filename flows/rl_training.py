@@ -21,7 +21,7 @@ from flows.params import takes
 from flows.progress import iteration_line, summary
 from flows.run_tags import tag_flow_run
 from storage.run_store import RunStore
-from tasks import steps, tracking
+from tasks import plan, steps, tracking
 from tasks.lease import LeaseKeeper
 from tasks.prepare import prepare_run
 
@@ -116,7 +116,7 @@ def rl_training(params: TrainingParams) -> dict[str, Any]:
                     out = run_iteration(ctx, k)
                     seconds.append(time.perf_counter() - t_iter)
                     rows.append(out["row"])
-                    add_step_seconds(step_seconds, out)
+                    add_step_seconds(ctx, k, step_seconds, out)
                     print(iteration_line(out["row"], total))
                     report.submit(artifacts.iteration_table, cfg.run.name, k, out["row"])
                     report.submit(artifacts.update_progress, progress, k, total)
@@ -139,12 +139,12 @@ def rl_training(params: TrainingParams) -> dict[str, Any]:
     }
 
 
-def add_step_seconds(totals: dict[str, float], out: dict[str, Any]) -> None:
-    """Add one iteration's step times (per-engine steps summed, by step name) to ``totals``."""
-    for node_id, result in out.items():
-        if node_id != "row" and isinstance(result, dict) and "step_s" in result:
-            name = node_id.split("@")[0].split("-e")[0]
-            totals[name] = totals.get(name, 0.0) + result["step_s"]
+def add_step_seconds(ctx, k: int, totals: dict[str, float], out: dict[str, Any]) -> None:
+    """Add iteration k's step times (per-engine steps summed, by step name) to ``totals``."""
+    for node in plan.iteration_plan(ctx, k):
+        result = out.get(node.id) or {}
+        if "step_s" in result:
+            totals[node.step.name] = totals.get(node.step.name, 0.0) + result["step_s"]
 
 
 def continued(cfg: RunConfig, extra: int) -> RunConfig:
