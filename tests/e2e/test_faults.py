@@ -147,6 +147,9 @@ def test_sigkilled_flow_process_resumes_and_leaves_nothing_running(
         cli += ["--set", f"{key}={json.dumps(value)}"]  # JSON is YAML
     alone = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     alone["PREFECT_HOME"] = str(tmp_path / "prefect-home")  # no profile's server either
+    # Prefect's temporary server gets 20 s to start by default; a loaded 2-core CI
+    # machine once took longer ("Timed out while attempting to connect").
+    alone["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "90"
     shared = {**os.environ, "PREFECT_API_URL": prefect_api}
     joined = ["--set", f"ray.address={ray_cluster.get_runtime_context().gcs_address}"]
     codes = []
