@@ -7,7 +7,8 @@ timing, colocation turn, fault point, warnings, commit). ``rl_tasks`` / ``mainte
 holds the weight transports and engine glue, ``colocate`` the device turns,
 ``verify`` the one version check, ``types`` the typed records.
 
-May import: storage, engines, training, rollout, prefect, ray. Must never
-import flows (``RunConfig`` lives here, in ``tasks.config``). Prefect only in
-``rl_tasks`` and ``maintenance``: the runner and the steps run without it.
+May import: storage, engines, training, rollout, prefect, ray. The flows package
+is above it and never imported here (``RunConfig`` lives in ``tasks.config``).
+Prefect only in ``rl_tasks`` and ``maintenance``: the runner, the plan and the
+steps run without it.
 """
