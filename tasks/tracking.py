@@ -231,7 +231,8 @@ class WandbTracker:
         return self._last
 
     def log(self, k: int, metrics: dict[str, float]) -> None:
-        self.run.log(dict(metrics), step=k)
+        # commit now: a row left pending until the next step is lost if finish() races
+        self.run.log(dict(metrics), step=k, commit=True)
         self._last = k
 
     def close(self) -> None:
