@@ -6,6 +6,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollout.dynamic_sampling import DynamicSamplingConfig
 from rollout.rewards import load_reward
 
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -44,6 +45,10 @@ class RolloutConfig(BaseModel):
         le=1,
         description="0: on-policy (rollout k on v(k-1)); 1: rollout k+1 on v(k-1) runs beside "
         "train[k], and the loss's importance ratio uses the engines' logprobs",
+    )
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=DynamicSamplingConfig,
+        description="DAPO dynamic sampling: drop groups of equal rewards, generate more prompts",
     )
 
     @model_validator(mode="after")

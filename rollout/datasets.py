@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +187,11 @@ class PromptSource:
         if k < 1:
             raise ValueError(f"iterations start at 1, got {k}")
         start = (k - 1) * self.cfg.batch_size
-        indices = range(start, start + self.cfg.batch_size)
+        return self.prompts(range(start, start + self.cfg.batch_size))
+
+    def prompts(self, indices: Iterable[int]) -> list[Prompt]:
+        """The prompts at ``indices`` of the run's endless prompt stream (a builtin
+        task's index, or a dataset row through its epoch's permutation)."""
         if self._rows is None:
             make = BUILTIN_TASKS[self.cfg.task]
             return [make(self.seed, i) for i in indices]

@@ -13,13 +13,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
+from rollout import dynamic_sampling
 from rollout.config import RolloutConfig
 from rollout.datasets import PromptSource, encode_prompt
 from rollout.rewards import load_reward
 from rollout.seeding import sample_seed
-from rollout.types import RolloutBatch, Sample
+from rollout.types import Prompt, RolloutBatch, Sample
 
 
 class VersionMismatch(RuntimeError):
@@ -62,13 +64,17 @@ def generate_batch(
     tokenizer: Any,
     generate_groups: GenerateGroups,
     restart: Callable[[int], None],
+    prompts: list[Prompt] | None = None,
 ) -> Generated:
     """Generate, check and score rollout k with weights ``version``.
 
     ``restart(i)`` brings a dead engine i back on ``version``; its groups are
-    regenerated whole by ``generate_groups``, so no group mixes versions."""
+    regenerated whole by ``generate_groups``, so no group mixes versions.
+    ``prompts``: one more round of dynamic sampling (default: batch k's prompts)."""
     reward_fn = load_reward(cfg.reward, cfg.trusted_reward_modules)
-    prompts = PromptSource(cfg, seed).batch(k)
+    source = PromptSource(cfg, seed)
+    first_round = prompts is None
+    prompts = source.batch(k) if first_round else prompts
     n = cfg.n_samples_per_prompt
     prompt_ids = [encode_prompt(tokenizer, p.text, cfg.chat_template) for p in prompts]
     seeds = [[sample_seed(seed, k, p.index, j) for j in range(n)] for p in prompts]
@@ -102,7 +108,12 @@ def generate_batch(
                     response_text=text,
                 )
             )
-    return Generated(RolloutBatch(iteration=k, n_samples_per_prompt=n, samples=samples), gen_s)
+    out = Generated(RolloutBatch(iteration=k, n_samples_per_prompt=n, samples=samples), gen_s)
+    if not first_round:
+        return out
+    # -- hook: DAPO dynamic sampling (rollout/dynamic_sampling.py; off by default) --
+    more = partial(generate_batch, cfg, seed, k, version, tokenizer, generate_groups, restart)
+    return dynamic_sampling.fill(cfg, source, k, out, lambda ps: more(prompts=ps))
 
 
 def summary(batch: RolloutBatch, gen_s: float | None, reused: bool) -> dict[str, Any]:

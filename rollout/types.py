@@ -27,20 +27,36 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class SamplingRecord:
+    """What dynamic sampling (``rollout.dynamic_sampling``) did for one batch."""
+
+    rounds: int  # generation rounds run, the first included
+    prompts: int  # prompts generated over all rounds
+    dropped_groups: int  # groups whose rewards were all equal
+    filled_uniform: int  # of those, put back because the rounds left the batch short
+
+
+@dataclass(frozen=True)
 class RolloutBatch:
     iteration: int  # k: produced with weights v(k-1) for training step k
     n_samples_per_prompt: int  # group size; samples of one prompt are contiguous
     samples: list[Sample] = field(default_factory=list)  # [batch_size * n]
+    sampling: SamplingRecord | None = None  # dynamic sampling's record; None when off
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if self.sampling is None:  # batches without dynamic sampling persist as before
+            del data["sampling"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RolloutBatch:
+        sampling = data.get("sampling")
         return cls(
             iteration=int(data["iteration"]),
             n_samples_per_prompt=int(data["n_samples_per_prompt"]),
             samples=[Sample(**s) for s in data["samples"]],
+            sampling=SamplingRecord(**sampling) if sampling else None,
         )
 
     @property

@@ -1,0 +1,114 @@
+"""DAPO's dynamic sampling (Yu et al. 2025, "DAPO", section 3.2): a group whose
+rewards are all equal has zero advantage under every group baseline, so it
+spends a batch slot on no gradient. Such groups are dropped and more prompts
+are generated, round after round, until the batch holds ``rollout.batch_size``
+groups or ``rollout.dynamic_sampling.max_rounds`` rounds ran.
+
+Owns the setting (``DynamicSamplingConfig``), which prompts a later round asks
+(``extra_prompts``: a function of (seed, k, round), disjoint from every
+iteration's regular prompts, so a retried rollout regenerates the same batch)
+and the filling itself (``fill``). The rollout procedure calls ``fill`` once,
+after its first round, through one marked hook. The batch records what
+happened (``RolloutBatch.sampling``), and the persisted batch is what a retried
+rollout step reuses.
+
+What it leaves out: the paper keeps sampling until the batch is full; here the
+rounds are bounded, and a batch still short after the last round is filled with
+the dropped groups in the order they came (counted in ``filled_uniform``), so
+every batch has the same size (equal rows per train rank). Imports no Prefect,
+Ray or engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout.types import Prompt, RolloutBatch, Sample, SamplingRecord
+
+if TYPE_CHECKING:  # rollout.config imports this module for the setting
+    from rollout.config import RolloutConfig
+    from rollout.procedure import Generated
+
+# Later rounds ask prompts from index 2**40 on: builtin tasks and dataset
+# epochs derive a prompt from its index, and regular batches never get there.
+EXTRA_INDEX_BASE = 1 << 40
+
+
+class DynamicSamplingConfig(BaseModel):
+    """``rollout.dynamic_sampling``: drop groups of equal rewards, generate more."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Drop groups whose rewards are all equal (DAPO)")
+    max_rounds: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Generation rounds per batch, the first included; a batch still short "
+        "after them is filled with dropped groups",
+    )
+
+
+def extra_prompts(source, k: int, round_: int, count: int, batch_size: int) -> list[Prompt]:
+    """The ``count`` prompts of round ``round_`` (>= 1) of iteration k: indices of
+    their own, one block of ``batch_size`` per (k, round), so no two rounds or
+    iterations share a prompt index (nor a sampling seed)."""
+    if not 1 <= count <= batch_size:
+        raise ValueError(f"a round asks 1..{batch_size} prompts, not {count}")
+    start = EXTRA_INDEX_BASE + ((k - 1) * 1024 + round_) * batch_size
+    return source.prompts(range(start, start + count))
+
+
+def groups(samples: list[Sample], n: int) -> list[list[Sample]]:
+    """Samples cut into their prompts' groups (each prompt's n samples are contiguous)."""
+    return [samples[i : i + n] for i in range(0, len(samples), n)]
+
+
+def informative(group: list[Sample]) -> bool:
+    """True when the group's rewards differ: it carries a gradient."""
+    return len({s.reward for s in group}) > 1
+
+
+def fill(
+    cfg: RolloutConfig,
+    source,
+    k: int,
+    first: Generated,
+    generate: Callable[[list[Prompt]], Generated],
+) -> Generated:
+    """Rollout k with dynamic sampling, from its first round ``first``;
+    ``generate(prompts)`` runs one more round. Off (the default): ``first``."""
+    ds = cfg.dynamic_sampling
+    if not ds.enabled:
+        return first
+    n, size = cfg.n_samples_per_prompt, cfg.batch_size
+    kept: list[list[Sample]] = []
+    dropped: list[list[Sample]] = []
+    gen_s, rounds, asked = 0.0, 0, 0
+    out = first
+    while True:
+        gen_s += out.gen_s
+        rounds += 1
+        for g in groups(out.batch.samples, n):
+            asked += 1
+            (kept if informative(g) else dropped).append(g)
+        need = size - len(kept)
+        if need <= 0 or rounds >= ds.max_rounds:
+            break
+        out = generate(extra_prompts(source, k, rounds, need, size))
+    # Dropped groups fill what the rounds left short, oldest first.
+    filled = max(size - len(kept), 0)
+    chosen = (kept + dropped[:filled])[:size]
+    record = SamplingRecord(
+        rounds=rounds,
+        prompts=asked,
+        dropped_groups=asked - len(kept),
+        filled_uniform=filled,
+    )
+    samples = [s for g in chosen for s in g]
+    batch = RolloutBatch(iteration=k, n_samples_per_prompt=n, samples=samples, sampling=record)
+    return replace(first, batch=batch, gen_s=gen_s)
