@@ -153,6 +153,11 @@ def _check_no_credentials(root: str) -> None:
 
 def _check_colocation(cfg: RunConfig) -> None:
     """Colocated ranks share one device per placement bundle; refuse what cannot."""
+    if cfg.train.loss.advantage == "gae":
+        raise ValueError(
+            "train.loss.advantage gae trains a critic beside the policy, and placement.colocate "
+            "has no bundles for it; set placement.colocate: false for PPO"
+        )
     t_gpus, e_gpus = cfg.train.num_gpus_per_worker, cfg.engines.num_gpus_per_engine
     if (t_gpus > 0) != (e_gpus > 0):
         raise ValueError(

@@ -67,13 +67,13 @@ class RunContext:
             call_timeout_s=self.cfg.tasks.timeout_s,
         )
 
-    def trainer(self):  # -> training.group.TrainGroup
+    def trainer(self):  # -> TrainGroup, or ActorCriticGroup for PPO (training.actor_critic)
+        from training.actor_critic import train_group
         from training.config import RunIdentity, TrainerSections
-        from training.group import TrainGroup
 
         c = self.cfg
         run = RunIdentity(name=c.run.name, seed=c.run.seed, namespace=c.ray.namespace)
-        return TrainGroup(
+        return train_group(
             run,
             TrainerSections.of(self.cfg),
             placement=self.placement(),

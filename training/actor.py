@@ -170,13 +170,7 @@ class TrainActor(DurableState):
         """One optimizer step on rollouts ``k``; requires trainer state ``k - 1``."""
         self._require_at(k - 1, f"train_step({k})")
         t0 = time.perf_counter()
-        data = self.store().read_rollouts(k)
-        if data is None:
-            raise FileNotFoundError(
-                f"no persisted rollouts for iteration {k} in run {self.run_name!r}; "
-                f"run rollout({k}) before train({k})"
-            )
-        batch = RolloutBatch.from_json(data)
+        batch = self._rollouts(k, f"train({k})")
         full = build_train_batch(batch, self.pad_id, self.cfg.loss, self._token_advantages(k))
         dp_rank = self._data_parallel_rank()
         mbs = rank_micro_batches(full, dp_rank, self._data_parallel_size(), self.cfg)
@@ -188,6 +182,16 @@ class TrainActor(DurableState):
         self.optim.zero_grad(set_to_none=True)
         self._iteration = k
         return self._metrics(sums, grad_norm, full, time.perf_counter() - t0)
+
+    def _rollouts(self, k: int, step: str) -> RolloutBatch:
+        """The persisted rollouts of iteration k, which ``step`` trains on."""
+        data = self.store().read_rollouts(k)
+        if data is None:
+            raise FileNotFoundError(
+                f"no persisted rollouts for iteration {k} in run {self.run_name!r}; "
+                f"run rollout({k}) before {step}"
+            )
+        return RolloutBatch.from_json(data)
 
     def _token_advantages(self, k: int) -> torch.Tensor | None:
         from training.critic import policy_advantages  # training.critic imports this module

@@ -21,23 +21,23 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import ray
 import safetensors.torch
 import torch
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout.types import RolloutBatch
 from storage.config import StorageConfig
 from storage.fs import read_bytes, write_bytes
 from storage.layout import iter_name
+from storage.retention import gc
 from storage.run_store import RunStore
+from storage.types import GcReport
 from training import backend_torch as bt
 from training.actor import TrainActor, step_seed
 from training.advantages import gae_advantages, outcome_token_rewards, whiten
 from training.algorithm import shaped_rewards
 from training.batch import TrainBatch, build_train_batch, rank_micro_batches, rank_slice
 from training.config import LossConfig
-from training.group import TrainGroup, _master_endpoint
+from training.group import TrainGroup
 from training.losses import value_loss
 
 
@@ -61,6 +61,11 @@ class CriticStore(RunStore):
     def read_advantages(self, k: int) -> torch.Tensor | None:
         blob = read_bytes(self.fs, self._advantages_path(k))
         return None if blob is None else safetensors.torch.load(blob)["advantages"]
+
+    def gc(self, keep_last: int) -> GcReport:
+        """The policy's retention over the critic's checkpoints: the last ``keep_last``
+        committed ones stay (the critic publishes no versions, so none are served)."""
+        return gc(self.fs, self._p("critic"), keep_last, {}, guard=self.check_fence)
 
 
 def policy_advantages(
@@ -109,13 +114,7 @@ class CriticActor(TrainActor):
         """Advantages of rollouts k (written once), then one value step; needs state k - 1."""
         self._require_at(k - 1, f"critic train_step({k})")
         t0 = time.perf_counter()
-        data = self.store().read_rollouts(k)
-        if data is None:
-            raise FileNotFoundError(
-                f"no persisted rollouts for iteration {k} in run {self.run_name!r}; "
-                f"run rollout({k}) before the critic's train({k})"
-            )
-        batch = RolloutBatch.from_json(data)
+        batch = self._rollouts(k, f"the critic's train({k})")
         # The group advantages build_train_batch computes are not used here.
         layout_cfg = self.cfg.loss.model_copy(update={"advantage": "grpo"})
         full = build_train_batch(batch, self.pad_id, layout_cfg)
@@ -223,50 +222,15 @@ class CriticGroup(TrainGroup):
     def actor_name(self, rank: int) -> str:
         return f"{self.run_name}/critic/{rank}"
 
-    def create(self, base_model_path: str) -> None:
-        """Fresh critic ranks at iteration 0 (base weights, fresh value head)."""
+    def _actor_class(self) -> type[TrainActor]:
         if self.train_cfg.loss.advantage != "gae":
             raise ValueError(
                 "a critic is trained for train.loss.advantage: gae only; set it to use PPO"
             )
-        self.release()
-        cfg = self.train_cfg
-        pg = self._placement_group()
-        addr, port = self._get(
-            _master_endpoint.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, self._bundle(0))
-            ).remote(),
-            "find critic rank 0's address",
-        )
-        remote_cls = ray.remote(CriticActor)
-        actors = [
-            remote_cls.options(
-                name=self.actor_name(rank),
-                namespace=self.namespace,
-                lifetime="detached",
-                max_restarts=0,  # a restarted rank would hold no state; ensure_state rebuilds
-                num_cpus=cfg.num_cpus_per_worker,
-                num_gpus=cfg.num_gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, self._bundle(rank)),
-            ).remote(self.identity, self.sections, rank, addr, port)
-            for rank in range(self.world_size)
-        ]
-        self._get([a.setup.remote() for a in actors], "critic setup")
-        self._get([a.init_from_base.remote(base_model_path) for a in actors], "critic init")
+        return CriticActor
 
-    def _restore_point(self, k: int) -> tuple[int, list[tuple[int, str]]]:
-        """The policy group's choice, over the critic's checkpoints."""
-        from storage.errors import IntegrityError
-
-        store = CriticStore(self.storage_cfg, self.run_name)
-        skipped: list[tuple[int, str]] = []
-        for c in sorted((c for c in store.committed_checkpoints() if 0 < c <= k), reverse=True):
-            try:
-                store.verify_checkpoint(c)
-                return c, skipped
-            except IntegrityError as e:
-                skipped.append((c, str(e)))
-        return 0, skipped
+    def _store(self) -> CriticStore:
+        return CriticStore(self.storage_cfg, self.run_name)
 
     def export_hf(self, version: int, iteration: int, parent: int | None) -> Any:
         raise NotImplementedError("the critic is never published; engines serve the policy")

@@ -97,7 +97,7 @@ class TrainGroup:
             ).remote(),
             "find rank 0's address",
         )
-        remote_cls = ray.remote(actor_class(cfg.backend))
+        remote_cls = ray.remote(self._actor_class())
         actors = [
             remote_cls.options(
                 name=self.actor_name(rank),
@@ -112,6 +112,16 @@ class TrainGroup:
         ]
         self._get([a.setup.remote() for a in actors], "setup")
         self._get([a.init_from_base.remote(base_model_path) for a in actors], "init_from_base")
+
+    def _actor_class(self) -> type[TrainActor]:
+        """The class of this group's ranks (the critic's group names its own)."""
+        return actor_class(self.train_cfg.backend)
+
+    def _store(self) -> Any:  # -> storage.run_store.RunStore
+        """Where this group's checkpoints live (the critic's group: under critic/)."""
+        from storage.run_store import RunStore
+
+        return RunStore(self.storage_cfg, self.run_name)
 
     def _placement_group(self) -> PlacementGroup:
         """The shared group when colocated, else a fresh ``{run}/train-pg``."""
@@ -246,9 +256,8 @@ class TrainGroup:
         """Newest committed checkpoint <= k that verifies (0, base weights, if none)
         and the newer corrupt ones skipped, each with why it failed."""
         from storage.errors import IntegrityError
-        from storage.run_store import RunStore
 
-        store = RunStore(self.storage_cfg, self.run_name)
+        store = self._store()
         skipped: list[tuple[int, str]] = []
         for c in sorted((c for c in store.committed_checkpoints() if 0 < c <= k), reverse=True):
             try:
