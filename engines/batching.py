@@ -5,11 +5,16 @@ results coming back: the queue, the one decode worker thread that drains it
 into batches of up to ``max_batch_size`` rows, pausing (abort / in place /
 retract), aborts, request deadlines and the worker's liveness.
 
+A batch holds rows of one call only, in the call's order. On CPU a row's
+logits depend, in their last bits, on what else shares its forward (padding,
+batch size); the off-policy loss divides by the engine's logprobs, so mixing
+calls by arrival time would make a resumed run differ from an uninterrupted
+one. Callers batch by sending rows in one call (``EngineGroup.generate_groups``
+sends each engine its whole share at once).
+
 Failure rules, so that one request never takes others down:
 - a row whose decode state cannot even be built fails alone;
-- a batch whose decode raises is split: its unfinished rows are queued again
-  one per batch (``solo``) and only a row that fails alone fails, and only
-  the call it belongs to;
+- a batch whose decode raises fails its own call and no other;
 - a request unfinished ``engines.request_timeout_s`` after it was queued ends
   with finish reason abort (paused time counts);
 - if the worker thread itself dies (something escaped every handler), every
@@ -65,7 +70,6 @@ class _Item:
     prompt: list[int]
     params: SamplingParams
     row: Row | None = None  # the Row of a retracted request, to resume
-    solo: bool = False  # decode alone: its batch failed, find out whether it is the cause
 
 
 class Batcher:
@@ -152,11 +156,12 @@ class Batcher:
             self._cond.notify_all()
 
     def _take_batch(self) -> list[_Item]:
-        """The next batch (holds cond): a solo item alone, else up to max_batch_size."""
-        if self._queue[0].solo:
-            return [self._queue.popleft()]
+        """The next batch (holds cond): up to max_batch_size rows of the call at the
+        head of the queue, in its order. Rows of two calls never share a batch, so a
+        row's numbers (logprobs to the last bit) depend only on its own call."""
+        head = self._queue[0].call
         batch = []
-        while self._queue and not self._queue[0].solo and len(batch) < self._cfg.max_batch_size:
+        while self._queue and self._queue[0].call is head and len(batch) < self._cfg.max_batch_size:
             batch.append(self._queue.popleft())
         return batch
 
@@ -164,7 +169,6 @@ class Batcher:
         with self._cond:
             while not self._queue or self._paused:
                 self._cond.wait()
-            self._gather()
             now, batch = time.monotonic(), []
             for item in self._take_batch():
                 try:
@@ -204,26 +208,10 @@ class Batcher:
                     self._deliver(item, row, None)
                 elif error is None:
                     again.append(item)  # retracted: first in line, in their order
-                elif len(batch) > 1:
-                    again.append(_Item(item.call, item.i, item.prompt, item.params, solo=True))
-                else:
+                else:  # the batch is one call's: that call fails, no other
                     self._deliver(item, row, error)
             self._queue.extendleft(reversed(again))
             self._cond.notify_all()
-
-    def _gather(self) -> None:
-        """Wait up to batch_wait_s for more requests to join a non-full batch (holds cond).
-
-        A batch runs to completion before the next one starts (no continuous
-        batching), so calls that arrive a moment apart, like the per-group
-        calls of ``EngineGroup.generate_groups``, should start together.
-        """
-        deadline = time.monotonic() + self._cfg.batch_wait_s
-        while len(self._queue) < self._cfg.max_batch_size and not self._paused:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._cond.wait(timeout=left)
 
     def _runner(self) -> ModelRunner:
         """One decode call's forwards: on every rank when the engine spans several."""

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Ray's own resource names: pinning to one of them would pin nothing.
+_RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def check_node_resource(key: str, value: str | None) -> str | None:
+    """A custom Ray resource name for ``key`` (``engines.node_resource``, ...), or None."""
+    if value is not None and (not value.strip() or value in _RAY_RESOURCES):
+        raise ValueError(
+            f"{key} {value!r} is not a custom resource: give the name your nodes offer with "
+            "ray start --resources='{\"engine_host\": 1}' (e.g. engine_host), or leave it unset"
+        )
+    return value
 
 
 class SGLangConfig(BaseModel):
@@ -47,7 +60,16 @@ class EngineConfig(BaseModel):
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads inside an engine")
     max_batch_size: int = Field(256, ge=1, description="Sequences decoded together")
     local_cache_dir: str | None = Field(
-        None, description="Pull each version here before reloading (needed for remote storage)"
+        None,
+        description="Pull each version here before reloading (needed for remote storage): a "
+        "path on each engine node's own disk, '~' expanded there; engines of one node share "
+        "one pull of a version",
+    )
+    node_resource: str | None = Field(
+        None,
+        description="Pin engines to the nodes offering this custom Ray resource (ray start "
+        "--resources='{\"engine_host\": 1}'); each engine bundle asks for 0.001 of it. "
+        "None: any node",
     )
     pause_mode: Literal["abort", "in_place", "retract"] = "in_place"
     health_timeout_s: float = Field(30.0, gt=0)
@@ -64,9 +86,6 @@ class EngineConfig(BaseModel):
         "model's max_position_embeddings (a larger value is the user's choice, as "
         "SGLang's --context-length)",
     )
-    batch_wait_s: float = Field(
-        0.005, ge=0, description="How long a non-full batch waits for more requests to join"
-    )
     allowed_weight_roots: list[str] = Field(
         default_factory=list,
         description="Dirs /update_weights_from_disk may load from (plus the start model's dir)",
@@ -76,6 +95,11 @@ class EngineConfig(BaseModel):
         description="Env var holding the bearer token of the admin endpoints (never in config)",
     )
     sglang: SGLangConfig = SGLangConfig()
+
+    @field_validator("node_resource")
+    @classmethod
+    def _custom_resource(cls, v: str | None) -> str | None:
+        return check_node_resource("engines.node_resource", v)
 
 
 class PlacementConfig(BaseModel):

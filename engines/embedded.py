@@ -14,8 +14,9 @@ against its manifest.json, ``engines.weight_files``).
 
 Threads: ``generate`` calls (up to ``GENERATE_CONCURRENCY`` at once) check
 their rows, enqueue them and wait. One decode worker thread drains the queue
-into batches of up to ``max_batch_size`` rows, so requests from concurrent
-calls share forwards; a failing request fails alone (``engines.batching``).
+into batches of up to ``max_batch_size`` rows of one call each (a row's numbers
+never depend on another call's); a failing request fails alone
+(``engines.batching``).
 Control methods run in their own concurrency group, so pause, continue and
 reload are served while every generate thread is busy.
 
@@ -376,6 +377,8 @@ class EmbeddedEngine(Batcher, InMemoryUpdates):
 
         if self._http is None:
             roots = [*(allowed_roots or []), *self._cfg.allowed_weight_roots, self._start_path]
+            # '~' is this node's home: a node cache (engines.local_cache_dir) is per node.
+            roots = [os.path.expanduser(r) for r in roots]
             settings = ServerSettings(
                 host=host,
                 port=port,

@@ -9,14 +9,17 @@ finds again by name:
   on bundle 0 of its own placement group ``{run_name}/engine-pg/{i}`` (one
   bundle per rank) or, colocated, on its bundles of the run's shared group
   (``engines.placement``), which a restart leaves in place;
-- a dead engine is replaced by ``restart``: kill, remove its placement group,
-  recreate, and load the version it is told to serve.
+- a dead engine is replaced by ``restart``: kill, recreate in the same
+  placement group (so on the node its weights were pulled to, ``pull``),
+  and load the version it is told to serve; ``engines.node_resource`` pins the
+  groups to the engine hosts (``engines.placement``).
 
-``generate_groups`` dispatches prompt groups (the n samples of one prompt
-always go to one engine, as one call) to the engine with the fewest
-outstanding requests. If an engine dies mid-rollout (its actor, or only its
-decode loop: ``EngineDeadError``), it is restarted and its unfinished groups
-are regenerated whole, so a group never mixes versions.
+``generate_groups`` gives each engine a fixed share of the prompt groups (the
+n samples of one prompt always go to one engine) as one call, so what an
+engine decodes together is decided by the request, never by timing. If an
+engine dies mid-rollout (its actor, or only its decode loop:
+``EngineDeadError``), it is restarted and its share is regenerated whole, so a
+group never mixes versions.
 
 It never decides which version should be served: the caller (the reload and
 verify tasks) does; a restart defaults to the version a live peer reports.
@@ -31,7 +34,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -44,9 +46,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engines import deadline
 from engines.client import EngineClient
 from engines.config import EngineConfig
-from engines.embedded import GENERATE_CONCURRENCY, EngineDeadError, actor_class
-from engines.placement import SharedPlacement
+from engines.embedded import EngineDeadError, actor_class
+from engines.node_pull import pull_on_node
+from engines.placement import SharedPlacement, pinned, unplaceable
 from engines.types import GenerateResult
+from storage.config import StorageConfig
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +124,12 @@ class EngineGroup:
             return False
 
     def restart(self, i: int, model_path: str, weight_version: int) -> ActorHandle:
-        """Replace engine ``i`` with a fresh one serving ``weight_version``."""
-        self._kill(i)
+        """Replace engine ``i`` with a fresh one serving ``weight_version``.
+
+        Its placement group stays, so the new engine lands on the node where
+        ``model_path`` was pulled (``pull``); after a lost node, Ray has
+        moved the group's bundles to a node that can hold them, or it waits."""
+        self._kill(i, keep_placement=True)
         log.warning("restarting %s at version %s", self.actor_name(i), weight_version)
         h = self._create(i, model_path, weight_version)
         deadline.get(
@@ -140,7 +148,7 @@ class EngineGroup:
         if self.placement is not None:
             self.placement.remove()
 
-    def _kill(self, i: int) -> None:
+    def _kill(self, i: int, keep_placement: bool = False) -> None:
         h = self.handle(i)
         if h is not None:
             if (
@@ -151,18 +159,41 @@ class EngineGroup:
                 except Exception:  # a dead or hung actor: the kill below still ends it
                     log.warning("%s: graceful stop failed", self.actor_name(i))
             ray.kill(h, no_restart=True)
-        pg = self._find_pg(i)
+        pg = None if keep_placement else self._find_pg(i)
         if pg is not None:
             ray.util.remove_placement_group(pg)
 
-    def _find_pg(self, i: int) -> PlacementGroup | None:
+    def _find_pg(
+        self, i: int, bundles: list[dict[str, float]] | None = None
+    ) -> PlacementGroup | None:
+        """Engine i's live group; with ``bundles``, one of another shape (left by a run
+        with other sizes or pinning) is removed and None returned."""
         # The placement group table is cluster-wide, unlike get_placement_group,
         # which only sees the calling job's namespace: a later flow run (another
         # job) must still find and remove the group a former run created.
         for pg_id, info in placement_group_table().items():
             if info.get("name") == self.pg_name(i) and info.get("state") != "REMOVED":
-                return PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id)))
+                pg = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id)))
+                if bundles is not None and list(info.get("bundles", {}).values()) != bundles:
+                    ray.util.remove_placement_group(pg)
+                    return None
+                return pg
         return None
+
+    def pull(self, i: int, storage: StorageConfig, version: int, cache_dir: str) -> dict[str, Any]:
+        """Version ``version`` in the local cache of the node engine i sits (or will
+        sit) on, pulled there in its bundle (``engines.node_pull``); what it took."""
+        pg, (bundle, *_) = self._place(i)
+        strategy = PlacementGroupSchedulingStrategy(pg, bundle)
+        return pull_on_node(
+            strategy,
+            storage,
+            self.run_name,
+            version,
+            cache_dir,
+            self.call_timeout_s,
+            self.actor_name(i),
+        )
 
     def _create(self, i: int, model_path: str, weight_version: int) -> ActorHandle:
         pg, (bundle, *rank_bundles) = self._place(i)
@@ -217,10 +248,18 @@ class EngineGroup:
         if not gpus:
             for b in bundles:
                 del b["GPU"]
-        pg = self._find_pg(i) or placement_group(
+        bundles = [pinned(b, self.cfg.node_resource) for b in bundles]  # its hosts only
+        pg = self._find_pg(i, bundles) or placement_group(
             bundles, strategy="STRICT_PACK", name=self.pg_name(i), lifetime="detached"
         )
-        ray.get(pg.ready(), timeout=self.cfg.health_timeout_s)
+        try:
+            ray.get(pg.ready(), timeout=self.cfg.health_timeout_s)
+        except GetTimeoutError:
+            raise RuntimeError(
+                f"{self.pg_name(i)} ({bundles}) could not be placed within "
+                f"{self.cfg.health_timeout_s:.0f}s (engines.health_timeout_s): "
+                f"{unplaceable(self.cfg.node_resource)}"
+            ) from None
         return pg, list(range(len(bundles)))
 
     def _default_restart(self, i: int) -> None:
@@ -290,13 +329,16 @@ class EngineGroup:
     ) -> list[list[GenerateResult]]:
         """Generate ``n`` samples per prompt; results in prompt order.
 
-        ``seeds[g][j]`` is the sampling_seed of sample j of prompt g. Groups go
-        to the live engine with the fewest outstanding requests, at most
-        GENERATE_CONCURRENCY calls per engine at a time. A dead engine is
-        restarted (``restart_fn(i)``, default: the version a live peer serves)
-        at most ``max_restarts`` times, and its groups are regenerated whole.
-        The whole call ends by ``call_timeout_s``: CallTimeout names the engines
-        whose answers are missing.
+        ``seeds[g][j]`` is the sampling_seed of sample j of prompt g. Prompt g
+        goes to the engine at position ``g % engines`` (in index order), and each
+        engine gets its whole share as one call: an engine decodes one call's
+        rows together and never with another call's, so every number in the
+        result is a function of the request and the weights, not of timing (a
+        retried or resumed rollout is byte-identical on CPU). A dead engine is
+        restarted (``restart_fn(i)``, default: the version a live peer serves) at
+        most ``max_restarts`` times, and its share is sent again whole, so no
+        group mixes versions. The whole call ends by ``call_timeout_s``:
+        CallTimeout names the engines whose answers are missing.
         """
         if len(seeds) != len(prompts) or any(len(s) != n for s in seeds):
             raise ValueError("seeds must hold n seeds for each prompt")
@@ -304,46 +346,37 @@ class EngineGroup:
         engines = self.handles()
         if not engines:
             raise RuntimeError(f"no engines of run {self.run_name!r} exist: call start() first")
-        outstanding = {i: 0 for i in engines}  # requests in flight per engine
-        calls = {i: 0 for i in engines}  # calls in flight per engine
-        generation = {i: 0 for i in engines}  # bumped on each restart of that engine
-        restarts = {i: 0 for i in engines}
-        inflight: dict[ray.ObjectRef, tuple[int, int, int]] = {}  # ref -> (group, engine, gen)
-        pending = deque(range(len(prompts)))
+        order = sorted(engines)
+        shares = {i: list(range(pos, len(prompts), len(order))) for pos, i in enumerate(order)}
+        restarts = {i: 0 for i in order}
         results: list[list[GenerateResult] | None] = [None] * len(prompts)
         clock = deadline.Deadline(self.call_timeout_s)
 
-        while pending or inflight:
-            while pending:
-                free = [i for i in engines if calls[i] < GENERATE_CONCURRENCY]
-                if not free:
-                    break
-                i = min(free, key=lambda e: (outstanding[e], e))
-                g = pending.popleft()
-                params = [dict(sampling, sampling_seed=int(s)) for s in seeds[g]]
-                ref = engines[i].generate.remote([prompts[g]] * n, params)
-                inflight[ref] = (g, i, generation[i])
-                outstanding[i] += n
-                calls[i] += 1
+        def send(i: int) -> ray.ObjectRef:
+            share = shares[i]
+            rows = [prompts[g] for g in share for _ in range(n)]
+            params = [dict(sampling, sampling_seed=int(s)) for g in share for s in seeds[g]]
+            return engines[i].generate.remote(rows, params)
+
+        inflight = {send(i): i for i in order if shares[i]}
+        while inflight:
             done, _ = ray.wait(list(inflight), num_returns=1, timeout=clock.remaining())
             if not done:  # the deadline passed with every call still waiting
-                waiting = [self.actor_name(e) for _, e, _ in inflight.values()]
-                raise clock.expired(waiting, f"generate ({len(inflight)} prompt groups waiting)")
-            ref = done[0]
-            g, i, gen = inflight.pop(ref)
-            outstanding[i] -= n
-            calls[i] -= 1
+                waiting = [self.actor_name(e) for e in inflight.values()]
+                raise clock.expired(waiting, f"generate ({len(inflight)} engine shares waiting)")
+            i = inflight.pop(done[0])
             try:
-                results[g] = ray.get(ref)
+                out = ray.get(done[0])
             except (RayActorError, EngineDeadError):  # the actor, or its decode loop, died
-                pending.appendleft(g)  # regenerate the whole group
-                if gen == generation[i]:  # first failure seen from this incarnation
-                    restarts[i] += 1
-                    if restarts[i] > max_restarts:
-                        raise
-                    restart(i)
-                    generation[i] += 1
-                    engines[i] = self._require(i)
+                restarts[i] += 1
+                if restarts[i] > max_restarts:
+                    raise
+                restart(i)
+                engines[i] = self._require(i)
+                inflight[send(i)] = i  # the whole share again, on the restarted engine
+                continue
+            for slot, g in enumerate(shares[i]):
+                results[g] = out[slot * n : (slot + 1) * n]
         return results  # type: ignore[return-value]
 
     def _require(self, i: int) -> ActorHandle:

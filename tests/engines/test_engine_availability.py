@@ -34,7 +34,7 @@ STANDIN = str(Path(__file__).with_name("standin_sglang_server.py"))
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
-    return EmbeddedEngine(str(tiny_dir), 0, EngineConfig(batch_wait_s=0.05), weight_version=0)
+    return EmbeddedEngine(str(tiny_dir), 0, EngineConfig(), weight_version=0)
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +110,8 @@ def test_over_ray_a_bad_row_is_a_value_error_for_its_call_only(engine):
 POISON = 20  # a valid token id that the faulty forward below refuses
 
 
-def test_a_row_that_fails_inside_a_batch_fails_alone(tiny_dir):
-    eng = EmbeddedEngine(str(tiny_dir), 0, EngineConfig(batch_wait_s=0.5), weight_version=0)
+def test_a_request_whose_forward_fails_fails_alone(tiny_dir):
+    eng = EmbeddedEngine(str(tiny_dir), 0, EngineConfig(), weight_version=0)
     params = {"max_new_tokens": 6, "sampling_seed": 5, "stop_token_ids": []}
     prompts = [[1, 5 + k, 6] for k in range(6)]
     alone = [eng.generate([p], params)[0]["output_ids"] for p in prompts]
@@ -123,7 +123,7 @@ def test_a_row_that_fails_inside_a_batch_fails_alone(tiny_dir):
         return real_forward(*args, **kwargs)
 
     eng._model.forward = faulty_forward
-    eng.pause_generation("abort")  # hold every call back, then release them as one batch
+    eng.pause_generation("abort")  # hold every call back, then release them all at once
     with ThreadPoolExecutor(8) as pool:
         goods = [pool.submit(eng.generate, [p], params) for p in prompts]
         bad = pool.submit(eng.generate, [[1, POISON, 6]], params)

@@ -6,6 +6,9 @@ test do not depend on Ray; the actor behaviour is in test_engine_pause.py.
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from engines.config import EngineConfig
@@ -64,6 +67,21 @@ def test_seed_determinism_and_batch_independence(engine):
         [PROMPTS[1]] * 4, [_params(s, max_new_tokens=24) for s in range(4)]
     )
     assert len({tuple(r["output_ids"]) for r in other_seed}) > 1
+
+
+def test_a_call_decodes_the_same_bits_beside_concurrent_calls(engine):
+    """A call's rows never share a forward with another call's: its logprobs, to
+    the last bit, do not depend on what else the engine was asked meanwhile."""
+    params = [_params(100 + i) for i in range(len(PROMPTS))]
+    alone = engine.generate(PROMPTS, params)
+    engine.pause_generation("abort")  # queue the neighbours first, then release all
+    with ThreadPoolExecutor(4) as pool:
+        noise = [pool.submit(engine.generate, [p], [_params(7)]) for p in PROMPTS[:3]]
+        beside = pool.submit(engine.generate, PROMPTS, params)
+        time.sleep(0.2)
+        engine.continue_generation()
+        assert all(len(f.result(timeout=60)) == 1 for f in noise)
+        assert beside.result(timeout=60) == alone
 
 
 def test_length_vs_stop(engine):
