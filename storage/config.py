@@ -16,6 +16,11 @@ class S3Options(BaseModel):
     anon: bool = False
     # Added: botocore attempts per request (standard retry mode); None keeps botocore's default.
     max_attempts: int | None = Field(None, ge=1)
+    # Per request: an endpoint that accepts and never answers ends the request
+    # here (botocore's default is 60 s each, times every attempt), so a step
+    # stuck on storage fails and Prefect retries it.
+    connect_timeout_s: float = Field(10.0, gt=0, description="S3 connect timeout per request")
+    read_timeout_s: float = Field(60.0, gt=0, description="S3 read timeout per request")
 
 
 class StorageConfig(BaseModel):

@@ -39,7 +39,10 @@ def open_root(root: str, s3: S3Options | None = None) -> tuple[fsspec.AbstractFi
         client_kwargs: dict[str, Any] = {}
         if opts.region:
             client_kwargs["region_name"] = opts.region
-        config_kwargs: dict[str, Any] = {}
+        config_kwargs: dict[str, Any] = {
+            "connect_timeout": opts.connect_timeout_s,
+            "read_timeout": opts.read_timeout_s,
+        }
         if opts.max_attempts is not None:
             config_kwargs["retries"] = {"max_attempts": opts.max_attempts, "mode": "standard"}
         fs = s3fs.S3FileSystem(
@@ -135,6 +138,8 @@ def _check_s3_root(fs: fsspec.AbstractFileSystem, root: str, s3: S3Options) -> N
             if "Credentials" in type(e).__name__
             else "check storage.s3.endpoint_url and the network"
         )
+        if "Timeout" in type(e).__name__:  # it answered nothing within the configured limit
+            fix += " (requests time out after storage.s3.connect_timeout_s / read_timeout_s)"
         raise StorageError(
             f"storage.root {root}: cannot reach bucket {bucket!r} at {endpoint} ({type(e).__name__}); {fix}"
         ) from None

@@ -74,3 +74,20 @@ def test_credentials_in_url_refused_without_echoing_the_secret():
     msg = str(e.value)
     assert FAKE_SECRET not in msg and "AKIAXXXX" not in msg
     assert f"s3://***@{BUCKET}/prefix" in msg and "AWS_SECRET_ACCESS_KEY" in msg
+
+
+def test_an_endpoint_that_never_answers_fails_at_the_read_timeout(s3_endpoint):
+    """A real socket that accepts and stays silent (a hung proxy): the root check ends
+    at storage.s3.read_timeout_s, naming the endpoint and the setting."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # the kernel accepts connections; nobody ever reads or answers
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    opts = S3Options(endpoint_url=url, max_attempts=1, read_timeout_s=1.0)
+    try:
+        with pytest.raises(StorageError, match=r"cannot reach bucket.*127.0.0.1.*read_timeout_s"):
+            check_root(StorageConfig(root=f"s3://{BUCKET}/p", s3=opts))
+    finally:
+        silent.close()
