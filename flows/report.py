@@ -5,6 +5,13 @@ from __future__ import annotations
 import io
 from typing import Any
 
+# The eval columns of a metrics row (rollout.evaluation.row_fields) and their legend.
+EVAL_CURVES = (
+    ("eval_pass_at_1_greedy", "eval pass@1 (greedy)"),
+    ("eval_pass_at_1", "eval pass@1 (sampled)"),
+    ("eval_pass_at_k", "eval pass@{k}"),
+)
+
 
 def reward_curve_png(rows: list[dict[str, Any]], title: str) -> bytes:
     import matplotlib
@@ -13,9 +20,24 @@ def reward_curve_png(rows: list[dict[str, Any]], title: str) -> bytes:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-    ax.plot([r["iteration"] for r in rows], [r["reward_mean"] for r in rows], marker="o", ms=3)
+    ax.plot(
+        [r["iteration"] for r in rows],
+        [r["reward_mean"] for r in rows],
+        marker="o",
+        ms=3,
+        label="mean reward",
+    )
+    # Evaluated iterations (eval.interval) add their pass rates, on the same [0, 1] scale.
+    evaluated = [r for r in rows if r.get("eval_pass_at_1") is not None]
+    for key, label in EVAL_CURVES:
+        if evaluated:
+            xs = [r["iteration"] for r in evaluated]
+            name = label.format(k=evaluated[-1].get("eval_k"))
+            ax.plot(xs, [r[key] for r in evaluated], marker="s", ms=3, ls="--", label=name)
+    if evaluated:
+        ax.legend(fontsize=7)
     ax.set_xlabel("iteration")
-    ax.set_ylabel("mean reward")
+    ax.set_ylabel("mean reward / pass rate" if evaluated else "mean reward")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -41,6 +63,15 @@ def summary_markdown(
             f"{first['reward_mean']:.3f} -> {last['reward_mean']:.3f}",
             "",
         ]
+        evaluated = [r for r in rows if r.get("eval_pass_at_1") is not None]
+        if evaluated:
+            e = evaluated[-1]
+            lines += [
+                f"Evaluation at iteration {e['iteration']}: pass@1 greedy "
+                f"{e['eval_pass_at_1_greedy']:.3f}, pass@1 sampled {e['eval_pass_at_1']:.3f}, "
+                f"pass@{e['eval_k']} {e['eval_pass_at_k']:.3f}",
+                "",
+            ]
     lines += [
         "## Versions",
         "",

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engines.config import EngineConfig, PlacementConfig
 from rollout.config import RolloutConfig
+from rollout.evaluation import EvalConfig
 from storage.config import StorageConfig
 from tasks.tracking import TrackingConfig
 from training.config import ModelConfig, TrainConfig, WeightsConfig
@@ -65,7 +66,9 @@ class TaskPolicy(BaseModel):
 
 # save_background: inside the background checkpoint write (exception: the write fails;
 # kill_actor: train rank 0 dies while it writes; sigkill: the flow process dies meanwhile).
-FaultStep = Literal["rollout", "train", "save", "save_background", "publish", "reload", "verify"]
+FaultStep = Literal[
+    "rollout", "train", "save", "save_background", "publish", "reload", "verify", "evaluate"
+]
 
 
 class FaultSpec(BaseModel):
@@ -93,6 +96,7 @@ class RunConfig(BaseModel):
     ray: RaySection = RaySection()
     tasks: TaskPolicy = TaskPolicy()
     tracking: TrackingConfig = TrackingConfig()
+    eval: EvalConfig = EvalConfig()  # evaluation during training (rollout.evaluation)
     faults: list[FaultSpec] = Field(
         default_factory=list, description="Fault injection (tests only)"
     )

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rollout.evaluation import due
 from tasks import steps
 from tasks.runner import Step
 
@@ -69,7 +70,11 @@ def iteration_plan(ctx, k: int) -> tuple[Node, ...]:
         verify = Node(steps.VERIFY, k, e, after=(reload.id,))
         nodes += [reload, verify]
         verifies.append(verify.id)
-    nodes.append(Node(steps.FINISH, k, after=tuple(verifies)))
+    last = tuple(verifies)
+    if due(ctx.cfg.eval, k, ctx.cfg.run.iterations):  # eval.interval: what engines serve now
+        nodes.append(evaluate := Node(steps.EVALUATE, k, after=last))
+        last = (evaluate.id,)
+    nodes.append(Node(steps.FINISH, k, after=last))
     return tuple(nodes)
 
 

@@ -101,6 +101,15 @@ def verify_engine(ctx: RunContext, k: int, engine_id: int) -> dict[str, Any]:
 
 
 @task(
+    name="evaluate",
+    task_run_name="{ctx.run_name}:evaluate[k={k}]",
+    cache_key_fn=_ledger_key(steps.EVALUATE),
+)
+def evaluate(ctx: RunContext, k: int) -> dict[str, Any]:
+    return _logged("evaluate", runner.run(ctx, steps.EVALUATE, k))
+
+
+@task(
     name="finish_iteration",
     task_run_name="{ctx.run_name}:finish[k={k}]",
     cache_key_fn=_ledger_key(steps.FINISH),
@@ -117,5 +126,6 @@ TASKS = {
     steps.PUBLISH.name: publish_weights,
     steps.RELOAD.name: reload_engine,
     steps.VERIFY.name: verify_engine,
+    steps.EVALUATE.name: evaluate,
     steps.FINISH.name: finish_iteration,
 }

@@ -15,10 +15,12 @@ import logging
 import time
 from typing import Any
 
+from rollout.evaluation import row_fields
 from rollout.procedure import VersionMismatch, generate_batch, summary
 from rollout.types import RolloutBatch
 from tasks import colocate, faults, runner, tracking
 from tasks.engines import ensure_engine_serves, kill_train_rank0, target_version, transport_for
+from tasks.evaluation import EVALUATE
 from tasks.runner import Step
 from tasks.types import (
     IterationRow,
@@ -32,6 +34,7 @@ from tasks.types import (
 from tasks.verify import check_serves, now, rollout_version
 
 __all__ = [
+    "EVALUATE",
     "FINISH",
     "STEPS",
     "VersionMismatch",
@@ -259,6 +262,7 @@ def _finish(ctx, k: int, engine_id: None, results: dict[str, Result]) -> Result:
         "publish_s": p.get("publish_s"),
         "reload_s": max((x.get("reload_s") or 0.0 for x in reloads), default=0.0),
         "example": r.get("example"),
+        **row_fields(results.get("evaluate")),
     }
     ctx.store.append_metrics(k, row)
     # Before the iteration's commit; a tracker skips an iteration it already holds.
@@ -344,7 +348,7 @@ VERIFY = Step(
 FINISH = Step("iteration", "finish_iteration", _finish, result=IterationRow)  # the commit
 
 # Every step of an iteration, in the order of the on-policy chain (``tasks.plan`` is the DAG).
-STEPS: tuple[Step, ...] = (ROLLOUT, TRAIN, SAVE, PUBLISH, RELOAD, VERIFY)
+STEPS: tuple[Step, ...] = (ROLLOUT, TRAIN, SAVE, PUBLISH, RELOAD, VERIFY, EVALUATE)
 
 
 # -- the steps as plain calls (tests, bench and older callers) ----------------------

@@ -82,6 +82,19 @@ class VerifyRecord(StepResult):
     checked_at: str  # UTC ISO time of the check
 
 
+class EvalResult(StepResult):
+    """The evaluate step (``rollout.evaluation``): scores of the version served after k."""
+
+    evaluated: bool  # False: not due this iteration (eval.interval)
+    version: int | None = None  # the weights evaluated
+    prompts: int | None = None  # eval.size (fewer when the file is shorter)
+    n_samples: int | None = None  # k of pass@k
+    pass_at_1_greedy: float | None = None  # one answer at temperature 0
+    pass_at_1: float | None = None  # sampled answers at rollout.temperature
+    pass_at_k: float | None = None  # k = n_samples
+    eval_s: float | None = None
+
+
 class IterationRow(StepResult):
     """The iteration's commit: its metrics row (``metrics/iter_k.json``)."""
 
@@ -94,3 +107,8 @@ class IterationRow(StepResult):
     publish_s: float | None
     reload_s: float
     example: str | None
+    # Set only in evaluated iterations (rollout.evaluation.row_fields).
+    eval_pass_at_1_greedy: float | None = None
+    eval_pass_at_1: float | None = None
+    eval_pass_at_k: float | None = None
+    eval_k: int | None = None

@@ -1,8 +1,8 @@
 """Every key of the trainer's config sections reaches the code that reads it.
 
 A key the user sets but the trainer never receives is a silent bug: the run
-goes on with the default. Each leaf key of ``train``, ``model``, ``weights`` and ``tracking``
-is classified here: read by the trainer (code under training/ reads it, and a
+goes on with the default. Each leaf key of ``train``, ``model``, ``weights``,
+``tracking`` and ``eval`` is classified here: read by the trainer (code under training/ reads it, and a
 non-default value set through ``--set`` arrives in what ``RunContext.trainer()``
 hands its ranks), read by another module (named, and that module must read
 it), or a key with one allowed value. A new key fails ``test_every_key_is_classified`` until it is
@@ -29,7 +29,7 @@ from storage.run_store import RunStore
 from tasks.context import RunContext
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ("train", "model", "weights", "tracking")
+SECTIONS = ("train", "model", "weights", "tracking", "eval")
 
 # Read by the train group or its actors (somewhere under training/): they
 # arrive as part of the whole sections every rank receives.
@@ -84,6 +84,12 @@ ELSEWHERE = {
     "tracking.wandb.enabled": "tasks/tracking.py",
     "tracking.wandb.project": "tasks/tracking.py",
     "tracking.wandb.dir": "tasks/tracking.py",
+    # eval.*: the evaluate step (tasks/evaluation.py) hands the section to its scorer.
+    "eval.interval": "rollout/evaluation.py",
+    "eval.dataset": "rollout/evaluation.py",
+    "eval.size": "rollout/evaluation.py",
+    "eval.n_samples": "rollout/evaluation.py",
+    "eval.pass_threshold": "rollout/evaluation.py",
 }
 # One allowed value: nothing to carry until a second one is added.
 ONE_CHOICE: set[str] = set()
