@@ -7,6 +7,9 @@ import re
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout.dynamic_sampling import DynamicSamplingConfig
+from rollout.environments import BUILTIN_ENVIRONMENTS
+from rollout.failures import FailureConfig
+from rollout.remote_reward import RemoteRewardConfig, check_url, is_url
 from rollout.rewards import load_reward
 
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -29,7 +32,19 @@ class RolloutConfig(BaseModel):
         description="Send each prompt as the user turn of the tokenizer's chat template "
         "(with the generation prompt); a tokenizer without one is refused",
     )
-    reward: str = Field("match", description="Builtin reward name or module:function")
+    reward: str = Field(
+        "match",
+        description="Builtin reward name, module:function, or a reward server's http(s) URL",
+    )
+    remote_reward: RemoteRewardConfig = Field(
+        default_factory=RemoteRewardConfig, description="How a reward server URL is called"
+    )
+    reward_workers: int = Field(
+        0,
+        ge=0,
+        description="Ray tasks that score a batch's samples in parallel (a slow verifier or a "
+        "reward server); 0: scored in the rollout step's process",
+    )
     trusted_reward_modules: list[str] = Field(
         default_factory=list,
         description="Modules (or packages) rollout.reward may import from; only the config file may set it",
@@ -46,6 +61,18 @@ class RolloutConfig(BaseModel):
         description="0: on-policy (rollout k on v(k-1)); 1: rollout k+1 on v(k-1) runs beside "
         "train[k], and the loss's importance ratio uses the engines' logprobs",
     )
+    environment: str = Field(
+        "none",
+        description="Multi-turn episodes in this builtin environment (calculator); none: one "
+        "completion per sample",
+    )
+    max_turns: int = Field(
+        3, ge=1, le=64, description="Model turns per episode at most (multi-turn only)"
+    )
+    failures: FailureConfig = Field(
+        default_factory=FailureConfig,
+        description="Multi-turn: each prompt's failure budget, spares, the stall watchdog",
+    )
     dynamic_sampling: DynamicSamplingConfig = Field(
         default_factory=DynamicSamplingConfig,
         description="DAPO dynamic sampling: drop groups of equal rewards, generate more prompts",
@@ -60,5 +87,13 @@ class RolloutConfig(BaseModel):
                     "give dotted module or package names such as mypkg.rewards"
                 )
         # Resolved at load, so a bad reward is refused before any run state exists.
-        load_reward(self.reward, self.trusted_reward_modules)
+        if is_url(self.reward):
+            check_url(self.reward)
+        else:
+            load_reward(self.reward, self.trusted_reward_modules)
+        if self.environment != "none" and self.environment not in BUILTIN_ENVIRONMENTS:
+            raise ValueError(
+                f"rollout.environment {self.environment!r} is not a builtin "
+                f"({', '.join(BUILTIN_ENVIRONMENTS)}); give one of those, or none"
+            )
         return self

@@ -4,7 +4,10 @@ Owns: which prompts (``PromptSource``), their token ids, the per-sample seeds
 ``(seed, k, prompt, j)``, the sampling parameters, the check that every sample
 came from the version the step expects, rewards, and the ``RolloutBatch``. The
 engines are reached only through ``GenerateGroups``, a callable with the
-signature of ``engines.group.EngineGroup.generate_groups``: this module must not
+signature of ``engines.group.EngineGroup.generate_groups``, or, for multi-turn
+episodes (``rollout.environment``, ``rollout.agent``), through ``TurnEngines``
+(their SGLang ``/generate``); rewards through a ``Scorer`` (default: in this
+process). ``RolloutIO`` carries these from the caller: this module must not
 import engines, tasks or Ray, so it runs the same against a fake in a unit test.
 """
 
@@ -12,20 +15,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Protocol
 
-from rollout import dynamic_sampling
+from rollout import dynamic_sampling, rewards
+from rollout.agent import TurnEngines, run_episodes
 from rollout.config import RolloutConfig
 from rollout.datasets import PromptSource, encode_prompt
-from rollout.rewards import load_reward
+from rollout.failures import FailureLog, VersionMismatch
+from rollout.rewards import Scorer
 from rollout.seeding import sample_seed
 from rollout.types import Prompt, RolloutBatch, Sample
 
-
-class VersionMismatch(RuntimeError):
-    """An engine serves another weight version than the step expects."""
+__all__ = ["Generated", "RolloutIO", "VersionMismatch", "generate_batch", "summary"]
 
 
 class GenerateGroups(Protocol):
@@ -39,6 +42,15 @@ class GenerateGroups(Protocol):
         seeds: list[list[int]],
         restart_fn: Callable[[int], None] | None = None,
     ) -> list[list[dict[str, Any]]]: ...
+
+
+@dataclass(frozen=True)
+class RolloutIO:
+    """What a rollout reaches besides ``generate_groups``; None: the in-process default."""
+
+    turns: TurnEngines | None = None  # multi-turn (rollout.environment): the engines' /generate
+    score: Scorer | None = None  # scores a batch (default: rollout.rewards.score, in process)
+    failures: FailureLog | None = None  # multi-turn: the step's failure log (default: in memory)
 
 
 @dataclass(frozen=True)
@@ -65,22 +77,75 @@ def generate_batch(
     generate_groups: GenerateGroups,
     restart: Callable[[int], None],
     prompts: list[Prompt] | None = None,
+    io: RolloutIO | None = None,
 ) -> Generated:
     """Generate, check and score rollout k with weights ``version``.
 
     ``restart(i)`` brings a dead engine i back on ``version``; its groups are
     regenerated whole by ``generate_groups``, so no group mixes versions.
-    ``prompts``: one more round of dynamic sampling (default: batch k's prompts)."""
-    reward_fn = load_reward(cfg.reward, cfg.trusted_reward_modules)
+    ``prompts``: one more round of dynamic sampling (default: batch k's prompts).
+    Multi-turn (``rollout.environment``): episodes through ``io.turns``, failed
+    prompts replaced or dropped (``rollout.failures``, recorded in ``io.failures``)."""
+    io = io or RolloutIO()
     source = PromptSource(cfg, seed)
     first_round = prompts is None
     prompts = source.batch(k) if first_round else prompts
+    multi_turn = cfg.environment != "none"
+    if multi_turn and io.failures is None:
+        io = replace(io, failures=FailureLog(cfg.failures, k, cfg.batch_size))
+    n = cfg.n_samples_per_prompt
+    t0 = time.perf_counter()
+    if multi_turn:
+        if io.turns is None:
+            raise ValueError(f"rollout.environment {cfg.environment!r} needs the engines' HTTP API")
+        episodes = run_episodes(
+            cfg,
+            seed,
+            k,
+            version,
+            tokenizer,
+            io.turns,
+            prompts,
+            io.failures,
+            sampling_params(cfg),
+            spares=lambda index: source.prompts([index])[0],
+            encode_prompt=lambda text: encode_prompt(tokenizer, text, cfg.chat_template),
+        )
+        prompts, samples, answers = episodes.prompts, episodes.samples, episodes.answers
+    else:
+        samples = _single_turn(cfg, seed, k, version, tokenizer, generate_groups, restart, prompts)
+        answers = [s.response_text for s in samples]
+    gen_s = time.perf_counter() - t0
+    samples = _scored(cfg, io.score, prompts, samples, answers)
+    batch = RolloutBatch(iteration=k, n_samples_per_prompt=n, samples=samples)
+    out = Generated(batch, gen_s)
+    if not first_round:
+        return out
+    # -- hook: DAPO dynamic sampling (rollout/dynamic_sampling.py; off by default) --
+    more = partial(
+        generate_batch, cfg, seed, k, version, tokenizer, generate_groups, restart, io=io
+    )
+    out = dynamic_sampling.fill(cfg, source, k, out, lambda ps: more(prompts=ps))
+    if multi_turn:  # every round's retries and drops
+        out = replace(out, batch=replace(out.batch, failures=io.failures.record()))
+    return out
+
+
+def _single_turn(
+    cfg: RolloutConfig,
+    seed: int,
+    k: int,
+    version: int,
+    tokenizer: Any,
+    generate_groups: GenerateGroups,
+    restart: Callable[[int], None],
+    prompts: list[Prompt],
+) -> list[Sample]:
+    """One completion per sample (through ``generate_groups``), not scored yet."""
     n = cfg.n_samples_per_prompt
     prompt_ids = [encode_prompt(tokenizer, p.text, cfg.chat_template) for p in prompts]
     seeds = [[sample_seed(seed, k, p.index, j) for j in range(n)] for p in prompts]
-    t0 = time.perf_counter()
     groups = generate_groups(prompt_ids, n, sampling_params(cfg), seeds, restart_fn=restart)
-    gen_s = time.perf_counter() - t0
     samples: list[Sample] = []
     for p, ids, outs in zip(prompts, prompt_ids, groups):
         for j, out in enumerate(outs):
@@ -94,7 +159,6 @@ def generate_batch(
             finish = meta["finish_reason"]["type"]
             if finish == "abort":
                 raise RuntimeError(f"rollout[k={k}]: a request was aborted; retry the rollout")
-            text = tokenizer.decode(out["output_ids"], skip_special_tokens=True)
             samples.append(
                 Sample(
                     prompt_index=p.index,
@@ -102,18 +166,42 @@ def generate_batch(
                     prompt_ids=list(ids),
                     response_ids=list(out["output_ids"]),
                     response_logprobs=[float(x[0]) for x in meta["output_token_logprobs"]],
-                    reward=float(reward_fn(text, p.label)),
+                    reward=0.0,
                     weight_version=served,
                     finish_reason=finish,
-                    response_text=text,
+                    response_text=tokenizer.decode(out["output_ids"], skip_special_tokens=True),
                 )
             )
-    out = Generated(RolloutBatch(iteration=k, n_samples_per_prompt=n, samples=samples), gen_s)
-    if not first_round:
-        return out
-    # -- hook: DAPO dynamic sampling (rollout/dynamic_sampling.py; off by default) --
-    more = partial(generate_batch, cfg, seed, k, version, tokenizer, generate_groups, restart)
-    return dynamic_sampling.fill(cfg, source, k, out, lambda ps: more(prompts=ps))
+    return samples
+
+
+def _scored(
+    cfg: RolloutConfig,
+    score: Scorer | None,
+    prompts: list[Prompt],
+    samples: list[Sample],
+    answers: list[str],
+) -> list[Sample]:
+    """``samples`` with their reward: rollout.reward's score of each answer, plus
+    the environment's step rewards (0 for single-turn samples)."""
+    by_index = {p.index: p for p in prompts}
+    items = [
+        {
+            "prompt": by_index[s.prompt_index].text,
+            "response": answer,
+            "label": by_index[s.prompt_index].label,
+            "prompt_index": s.prompt_index,
+            "sample_index": s.sample_index,
+            "turns": [{"role": t.role, "text": t.text} for t in s.turns],
+        }
+        for s, answer in zip(samples, answers)
+    ]
+    scores = score(items) if score is not None else rewards.score(cfg, items)
+    if len(scores) != len(samples):
+        raise RuntimeError(
+            f"reward scoring returned {len(scores)} rewards for {len(samples)} samples"
+        )
+    return [replace(s, reward=s.reward + float(r)) for s, r in zip(samples, scores)]
 
 
 def summary(batch: RolloutBatch, gen_s: float | None, reused: bool) -> dict[str, Any]:
@@ -130,4 +218,17 @@ def summary(batch: RolloutBatch, gen_s: float | None, reused: bool) -> dict[str,
         "weight_version": batch.samples[0].weight_version if batch.samples else None,
         "reused": reused,
         "example": batch.samples[0].response_text if batch.samples else "",
+        "failures": _failure_counts(batch),
+    }
+
+
+def _failure_counts(batch: RolloutBatch) -> dict[str, int] | None:
+    """Multi-turn: how many calls were retried and prompts replaced or dropped."""
+    if batch.failures is None:
+        return None
+    drops = batch.failures.drops
+    return {
+        "retries": len(batch.failures.retries),
+        "replaced": sum(d.replacement is not None for d in drops),
+        "dropped": sum(d.replacement is None for d in drops),
     }

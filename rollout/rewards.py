@@ -1,9 +1,15 @@
-"""Reward functions: ``fn(response: str, label: str) -> float`` in [0, 1].
+"""Reward functions: ``fn(response: str, label: str) -> float`` in [0, 1], and
+the scoring of a batch's samples with them (``score``).
 
 Builtins are named in ``rollout.reward``. Anything else is ``module:function``
 from a module the config file trusts (``rollout.trusted_reward_modules``): a
 reward runs inside the rollout step, so naming one is running code, and only
-the config file's author may choose which code.
+the config file's author may choose which code. An ``http://`` or ``https://``
+``rollout.reward`` is a reward server (``rollout.remote_reward``).
+
+``score`` is the one way samples are scored: the rollout procedure calls it in
+its own process, or the step fans it out over Ray tasks (``Scorer``, given by
+the caller), each task calling ``score`` on its share.
 """
 
 from __future__ import annotations
@@ -12,8 +18,16 @@ import importlib
 import inspect
 import typing
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from rollout.remote_reward import is_url, post_rewards
+
+if TYPE_CHECKING:  # rollout.config imports this module to check rollout.reward
+    from rollout.config import RolloutConfig
 
 RewardFn = Callable[[str, str], float]
+# Scores a batch: one item per sample ({"prompt", "response", "label", ...}), one reward each.
+Scorer = Callable[[list[dict[str, Any]]], list[float]]
 
 SIGNATURE = "(response: str, label: str) -> float"
 
@@ -88,3 +102,12 @@ def load_reward(spec: str, trusted: Sequence[str] = ()) -> RewardFn:
         raise ValueError(f"rollout.reward {spec!r} cannot be imported: {e}") from e
     check_signature(fn, spec)
     return fn
+
+
+def score(cfg: RolloutConfig, items: list[dict[str, Any]]) -> list[float]:
+    """The reward of each item (``response`` against ``label``): posted to the reward
+    server, or the reward function applied in this process."""
+    if is_url(cfg.reward):
+        return post_rewards(cfg.reward, cfg.remote_reward, items)
+    fn = load_reward(cfg.reward, cfg.trusted_reward_modules)
+    return [float(fn(i["response"], i["label"])) for i in items]

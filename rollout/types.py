@@ -1,4 +1,5 @@
-"""Wire objects of the rollout step: prompts, samples and the persisted batch."""
+"""Wire objects of the rollout step: prompts, samples (with their turns), the
+failure record and the persisted batch."""
 
 from __future__ import annotations
 
@@ -14,16 +15,79 @@ class Prompt:
 
 
 @dataclass(frozen=True)
+class Turn:
+    """One turn of a multi-turn episode: the model's, or an environment's observation."""
+
+    role: str  # "model" (generated, in the loss) | "tool" (an observation, masked out)
+    ids: list[int]  # [n] token ids of the turn
+    text: str  # the turn decoded (model) or as the environment wrote it (tool)
+    logprobs: list[float] = field(default_factory=list)  # [n] engine logprobs; [] for tool
+    weight_version: int | None = None  # the version that generated a model turn; None for tool
+    finish_reason: str = ""  # model turns: "stop" | "length"
+
+
+@dataclass(frozen=True)
 class Sample:
     prompt_index: int  # Prompt.index
     sample_index: int  # j in 0..n_samples_per_prompt-1
     prompt_ids: list[int]  # [P] token ids of the prompt (bos included)
-    response_ids: list[int]  # [R] generated ids (eos included if generated)
-    response_logprobs: list[float]  # [R] engine logprob of each response id
+    response_ids: list[int]  # [R] generated ids (eos included if generated); multi-turn: every turn
+    response_logprobs: list[float]  # [R] engine logprob of each response id (0.0 on tool tokens)
     reward: float  # reward of the decoded response against the label
     weight_version: int  # version of the weights that generated it
     finish_reason: str  # "stop" | "length" | "abort"
     response_text: str = ""  # decoded response, for logs and debugging
+    loss_mask: list[int] | None = None  # [R] 1 on the model's tokens, 0 on tool tokens; None: all 1
+    turns: list[Turn] = field(default_factory=list)  # multi-turn: every turn in order; else []
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.loss_mask is None and not self.turns:  # single-turn samples persist as before
+            del data["loss_mask"], data["turns"]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Sample:
+        turns = [Turn(**t) for t in data.get("turns") or []]
+        return cls(**{**data, "turns": turns})
+
+
+@dataclass(frozen=True)
+class Retry:
+    """One failed call of a prompt (``rollout.failures``), sent again."""
+
+    prompt_index: int  # Prompt.index
+    kind: str  # "infra" (another engine) | "data" (the row alone)
+    turn: int  # the episode turn whose call failed
+    engine: int  # the engine the call failed on
+    attempt: int  # this prompt's failures of this kind so far
+    error: str  # what failed, shortened
+
+
+@dataclass(frozen=True)
+class Drop:
+    """A prompt past its failure budget: replaced by a spare prompt, or dropped."""
+
+    prompt_index: int  # Prompt.index of the failed prompt
+    kind: str  # the failure kind that exhausted it: "infra" | "data"
+    attempts: int  # failures of that kind
+    error: str  # the last failure, shortened
+    replacement: int | None  # Prompt.index of the spare that took its place; None: dropped
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """Every retry and drop of one rollout (``rollout.failures``)."""
+
+    retries: list[Retry] = field(default_factory=list)  # in the order they happened
+    drops: list[Drop] = field(default_factory=list)  # in the order they were decided
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FailureRecord:
+        return cls(
+            retries=[Retry(**r) for r in data.get("retries") or []],
+            drops=[Drop(**d) for d in data.get("drops") or []],
+        )
 
 
 @dataclass(frozen=True)
@@ -42,21 +106,25 @@ class RolloutBatch:
     n_samples_per_prompt: int  # group size; samples of one prompt are contiguous
     samples: list[Sample] = field(default_factory=list)  # [batch_size * n]
     sampling: SamplingRecord | None = None  # dynamic sampling's record; None when off
+    failures: FailureRecord | None = None  # multi-turn: retries and drops; None when none
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        if self.sampling is None:  # batches without dynamic sampling persist as before
-            del data["sampling"]
+        data["samples"] = [s.to_json() for s in self.samples]
+        for key in ("sampling", "failures"):  # absent records persist as before
+            if data[key] is None:
+                del data[key]
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RolloutBatch:
-        sampling = data.get("sampling")
+        sampling, failures = data.get("sampling"), data.get("failures")
         return cls(
             iteration=int(data["iteration"]),
             n_samples_per_prompt=int(data["n_samples_per_prompt"]),
-            samples=[Sample(**s) for s in data["samples"]],
+            samples=[Sample.from_json(s) for s in data["samples"]],
             sampling=SamplingRecord(**sampling) if sampling else None,
+            failures=FailureRecord.from_json(failures) if failures else None,
         )
 
     @property

@@ -21,6 +21,7 @@ from rollout.types import RolloutBatch
 from tasks import colocate, faults, runner, tracking
 from tasks.engines import ensure_engine_serves, kill_train_rank0, target_version, transport_for
 from tasks.evaluation import EVALUATE
+from tasks.rollout_services import rollout_io
 from tasks.runner import Step
 from tasks.types import (
     IterationRow,
@@ -98,15 +99,17 @@ def _generate(ctx, k: int, engine_id: int | None) -> Result:
         colocate.for_rollout(ctx)  # a push (in-memory transports) woke the trainer: back to sleep
 
     cfg = ctx.cfg
-    out = generate_batch(
-        cfg.rollout,
-        cfg.run.seed,
-        k,
-        v,
-        _tokenizer(ctx.base_model_path),
-        group.generate_groups,
-        restart,
-    )
+    with rollout_io(ctx, group, k, restart) as io:  # multi-turn HTTP, reward tasks, failure log
+        out = generate_batch(
+            cfg.rollout,
+            cfg.run.seed,
+            k,
+            v,
+            _tokenizer(ctx.base_model_path),
+            group.generate_groups,
+            restart,
+            io=io,
+        )
     ctx.store.write_rollouts(k, out.batch.to_json())
     return summary(out.batch, gen_s=out.gen_s, reused=False)
 

@@ -35,6 +35,8 @@ class RolloutResult(StepResult):
     weight_version: int | None  # the version every sample came from
     reused: bool  # True: the persisted batch of an earlier attempt
     example: str  # one response, for the console line
+    # multi-turn: {retries, replaced, dropped} of rollout.failures; None for single-turn
+    failures: dict[str, int] | None = None
 
 
 class TrainResult(StepResult):

@@ -11,7 +11,8 @@ Layout for a sample with prompt P and response R (lengths p, r)::
     input_ids   [P0 .. Pp-1 R0 .. Rr-1 pad ..]        [B, T], T = max(p + r)
     targets     input_ids[:, 1:]                       [B, T-1]
     loss_mask   1 where targets[t] is a response token [B, T-1]
-                (t in p-1 .. p+r-2: logits at t predict token t+1)
+                (t in p-1 .. p+r-2: logits at t predict token t+1);
+                multi-turn: only the model's tokens (Sample.loss_mask)
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ def build_train_batch(
             raise ValueError(f"sample {i} has an empty prompt; a prompt needs at least bos")
         input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         attention[i, : len(seq)] = 1
-        loss_mask[i, p - 1 : p + r - 1] = 1.0
+        # multi-turn: tool tokens are context, not actions (Sample.loss_mask)
+        mask = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
+        loss_mask[i, p - 1 : p + r - 1] = mask
         if r and len(s.response_logprobs) == r:
             rollout_lp[i, p - 1 : p + r - 1] = torch.tensor(s.response_logprobs)
     rewards = torch.tensor(batch.rewards, dtype=torch.float32)
