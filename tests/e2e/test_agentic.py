@@ -1,7 +1,8 @@
 """Multi-turn tool use end to end (configs/tiny-tool.yaml): reward goes up on the
 calculator task, and a run whose engine dies mid-rollout and whose train step
-crashes, resumed, ends byte-identical to an uninterrupted run (the fault
-matrix's helpers, tests/e2e/test_faults.py)."""
+crashes (its rewards scored by Ray tasks), resumed, ends byte-identical to an
+uninterrupted run scored in process (the fault matrix's helpers,
+tests/e2e/test_faults.py)."""
 
 from __future__ import annotations
 
@@ -33,16 +34,17 @@ def test_reward_goes_up_on_the_tool_task(ray_cluster, tmp_path):
 
 
 def test_a_dead_engine_and_a_crash_resume_byte_identical(ray_cluster, tmp_path):
-    def config(name: str, faults: list[dict]):
+    def config(name: str, faults: list[dict], **extra):
         over = overrides(tmp_path / name, name, faults)
-        return load_config(BASE, {**over, "run.save_interval": 2})
+        return load_config(BASE, {**over, "run.save_interval": 2, **extra})
 
     ref_ctx, _, _ = run_plain(config("ref", []), quiet=True)
     faults = [
         {"step": "rollout", "iteration": 2, "kind": "kill_actor"},  # the engine dies in the step
         {"step": "train", "iteration": 3, "kind": "exception"},  # the run crashes
     ]
-    cfg = config("faulted", faults)
+    # ... and its rewards are scored by 2 Ray tasks: the same rewards as in process
+    cfg = config("faulted", faults, **{"rollout.reward_workers": 2})
     with pytest.raises(Exception, match="injected"):
         run_plain(cfg, quiet=True)
     ctx, rows, _ = run_plain(cfg, quiet=True)  # the rerun resumes at iteration 3
