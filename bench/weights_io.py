@@ -24,7 +24,10 @@ freed a moment ago is still backed. Without this, whichever op happened to
 follow a delete ran several times faster than the other.
 
 With ``--s3`` the same is done on a moto S3 server: publish/pull vs raw s3fs
-put/get of the same bytes with the same concurrency (16 MiB parts, 8 in flight).
+put/get of the same bytes with the same concurrency (16 MiB parts, 8 in flight),
+and 4 engines of one node reloading a version at once: each into a cache of its
+own (a pull per engine, the baseline) vs into the node's one cache (one pull,
+the others wait on its lock). MB/s there is of one version's bytes.
 
     python -m bench.weights_io --sizes-mb 100 1000 --repeats 3 --s3
 
@@ -67,6 +70,7 @@ from storage.safetensors_io import (  # noqa: E402
 MB = 1 << 20
 PART = 16 * MB
 INFLIGHT = 8
+ENGINES = 4  # engines of one node reloading at once (they share the node's cache)
 RESULTS = Path(__file__).resolve().parent / "results" / "weights_io.json"
 
 
@@ -306,10 +310,20 @@ def bench_s3(size_mb: int, repeats: int, shard_mb: int, base: str) -> list[dict]
             ],
             repeats,
         )
+
+        def engines_pull(one_cache: bool) -> None:
+            """ENGINES engines of one node reload v at once: a cache each, or the node's."""
+            d = os.path.join(caches, uuid.uuid4().hex)
+            dirs = [d if one_cache else f"{d}-{e}" for e in range(ENGINES)]
+            with ThreadPoolExecutor(ENGINES) as pool:
+                list(pool.map(lambda c: store.pull(v, c, workers=INFLIGHT), dirs))
+
+        t_each, t_node = paired([lambda: engines_pull(False), lambda: engines_pull(True)], repeats)
         shutil.rmtree(caches, ignore_errors=True)
     return [
         row("publish", "moto s3", size_mb, "raw s3fs put", t_raw_put, t_pub),
         row("pull", "moto s3", size_mb, "raw s3fs get", t_raw_get, t_pull),
+        row(f"pull, {ENGINES} engines", "moto s3", size_mb, "a pull per engine", t_each, t_node),
     ]
 
 

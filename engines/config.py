@@ -7,12 +7,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Ray's own resource names: pinning to one of them would pin nothing.
-_RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 def check_node_resource(key: str, value: str | None) -> str | None:
     """A custom Ray resource name for ``key`` (``engines.node_resource``, ...), or None."""
-    if value is not None and (not value.strip() or value in _RAY_RESOURCES):
+    if value is not None and (not value.strip() or value in RAY_RESOURCES):
         raise ValueError(
             f"{key} {value!r} is not a custom resource: give the name your nodes offer with "
             "ray start --resources='{\"engine_host\": 1}' (e.g. engine_host), or leave it unset"

@@ -1,4 +1,14 @@
-"""The shared placement group of a colocated run (``placement.colocate: true``).
+"""Where a run's actors sit: the node pinning of each side, and the shared
+placement group of a colocated run (``placement.colocate: true``).
+
+**Node pinning.** ``engines.node_resource`` and ``train.node_resource`` name a
+custom Ray resource that only that side's hosts offer (``ray start
+--resources='{"engine_host": 1}'``). Every bundle of the side asks for
+``NODE_SHARE`` of it, so the side runs on those nodes only, however many of its
+bundles a node holds. ``unplaceable`` says why a bundle waits: no alive node
+offers the resource, naming the nodes that offered it and died.
+
+**Colocation.**
 
 Owns one detached placement group ``{run}/colocate-pg`` with one bundle per
 device: ``max(train ranks, engines * tp_size)`` bundles, each with one GPU (on
@@ -24,6 +34,50 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
+from engines.config import RAY_RESOURCES
+
+# Of a side's node resource per bundle: enough to pin it, small enough that a node
+# offering 1 unit holds up to 1,000 bundles (Ray keeps 4 decimals of a resource).
+NODE_SHARE = 0.001
+
+
+def pinned(bundle: dict[str, float], resource: str | None) -> dict[str, float]:
+    """``bundle`` plus ``NODE_SHARE`` of ``resource`` (a copy; unchanged when None)."""
+    return dict(bundle) if resource is None else {**bundle, resource: NODE_SHARE}
+
+
+def describe_node(node: dict) -> str:
+    """``id-prefix (ip, offers resource...)`` of a ``ray.nodes()`` entry: how an
+    operator tells nodes apart (on one host they share an IP)."""
+    own = sorted(
+        r for r in node.get("Resources", {}) if r not in RAY_RESOURCES and not r.startswith("node:")
+    )
+    offers = f", offers {', '.join(own)}" if own else ""
+    return f"{node['NodeID'][:12]} ({node.get('NodeManagerAddress', '?')}{offers})"
+
+
+def unplaceable(resource: str | None) -> str:
+    """Why a bundle pinned to ``resource`` (None: any node) finds no room: the nodes
+    that offered it and are dead (a lost host), or that no alive node offers it."""
+    nodes = ray.nodes()
+
+    def offers(n: dict) -> bool:
+        return resource is None or resource in n.get("Resources", {})
+
+    lost = [n for n in nodes if not n.get("Alive") and offers(n)]
+    alive = [n for n in nodes if n.get("Alive") and offers(n)]
+    what = "any node" if resource is None else f"nodes offering resource {resource!r}"
+    parts = []
+    if lost:
+        parts.append(f"lost node(s) {', '.join(describe_node(n) for n in lost)} died")
+    parts.append(f"{len(alive)} alive {what}, too busy or too small")
+    fix = (
+        f"start a replacement with `ray start --address=<head> --resources='{{\"{resource}\": 1}}'`"
+        if resource
+        else "add nodes or free resources"
+    )
+    return "; ".join(parts) + f"; {fix}, then rerun"
+
 
 def colocated_bundles(
     train_ranks: int,
@@ -31,6 +85,7 @@ def colocated_bundles(
     engine_ranks: int,
     engine_cpus: float,
     gpus: bool,
+    resource: str | None = None,
 ) -> list[dict[str, float]]:
     """One bundle per device, holding the CPUs of the ranks placed on it.
 
@@ -40,7 +95,7 @@ def colocated_bundles(
     bundles = []
     for b in range(max(train_ranks, engine_ranks)):
         cpus = (train_cpus if b < train_ranks else 0.0) + (engine_cpus if b < engine_ranks else 0.0)
-        bundles.append({"CPU": cpus, "GPU": 1.0} if gpus else {"CPU": cpus})
+        bundles.append(pinned({"CPU": cpus, "GPU": 1.0} if gpus else {"CPU": cpus}, resource))
     return bundles
 
 
@@ -51,6 +106,7 @@ class SharedPlacement:
     run_name: str  # the run the group belongs to
     bundles: tuple[dict[str, float], ...]  # one per device, from colocated_bundles
     tp_size: int  # ranks per engine: engine e owns bundles e*tp_size .. e*tp_size+tp_size-1
+    resource: str | None = None  # the node resource both sides are pinned to (one value)
 
     @property
     def name(self) -> str:
@@ -92,8 +148,8 @@ class SharedPlacement:
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(
                 f"the colocated placement group {self.name!r} ({len(self.bundles)} x "
-                f"{self.bundles[0]}) could not be placed within {timeout_s:.0f}s: the Ray "
-                "cluster lacks free resources; stop other runs' actors or lower "
+                f"{self.bundles[0]}) could not be placed within {timeout_s:.0f}s: "
+                f"{unplaceable(self.resource)}; or stop other runs' actors, or lower "
                 "train.num_workers / engines.num_engines"
             ) from None
         return pg

@@ -6,6 +6,11 @@ a mismatch; the cache folder appears (by rename) only when complete, with the
 manifest copied last. Must never write outside ``cache_dir/.tmp-*`` and
 ``cache_dir/v000012``.
 
+One pull per machine: a pull holds an flock on the cache folder itself, so
+engines of one node that reload at once copy a version once; the others wait
+and reuse the copy. The lock ends with its process, so a killed puller never
+blocks the next one.
+
 From a local root on the same filesystem as the cache, a file is hard-linked
 instead of copied (as ``git clone --local`` does with its immutable objects),
 then verified by reading it. This is safe because committed files are never
@@ -18,12 +23,15 @@ is then the same bytes on disk as the version, not a second copy of them.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import fsspec
 
@@ -33,7 +41,7 @@ from storage.hashio import READ_CHUNK, LocalHashingWriter, hash_file
 from storage.integrity import verify_dir
 from storage.layout import MANIFEST, TMP_PREFIX, version_name
 from storage.manifests import parse_manifest
-from storage.types import FileEntry, WeightsManifest
+from storage.types import FileEntry, Pulled, WeightsManifest
 
 log = logging.getLogger("storage")
 
@@ -49,22 +57,59 @@ def pull_version(
     workers: int = 8,
     retries: int = 3,
     verify_cached: bool = False,
-) -> str:
-    """Return ``cache_dir/v000012`` holding a verified copy of ``manifest``'s files.
+) -> Pulled:
+    """Make ``cache_dir/v000012`` a verified copy of ``manifest``'s files; what it took.
 
     A complete cached copy is reused after a size check; with ``verify_cached`` it is
     also hashed (``verify_dir``) and pulled again when its bytes changed, which is the
-    fix for a loader whose ``verify_dir`` refused the cache."""
-    dest = os.path.join(os.path.abspath(cache_dir), version_name(manifest.version))
-    if _cache_ok(dest, manifest):
-        if not verify_cached:
-            return dest
-        try:
-            verify_dir(dest)
-            return dest
-        except StorageError as e:
-            log.warning("cached copy %s is damaged (%s); pulling it again", dest, e)
+    fix for a loader whose ``verify_dir`` refused the cache. ``cache_dir`` may start
+    with ``~``: it is expanded here, on the machine that pulls."""
+    t0 = time.perf_counter()
+    cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
+    dest = os.path.join(cache_dir, version_name(manifest.version))
     os.makedirs(cache_dir, exist_ok=True)
+    with _locked(cache_dir):
+        copied = not _reusable(dest, manifest, verify_cached)
+        if copied:
+            _pull_into(fs, version_dir, manifest, cache_dir, dest, workers, retries)
+    size = sum(f.bytes for f in manifest.files)
+    return Pulled(path=dest, copied=copied, bytes=size, seconds=time.perf_counter() - t0)
+
+
+@contextmanager
+def _locked(folder: str) -> Iterator[None]:
+    """An exclusive flock on the (local) folder itself for the block: no lock file to
+    leave behind, and dropped if its process dies."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+def _reusable(dest: str, manifest: WeightsManifest, verify_cached: bool) -> bool:
+    if not _cache_ok(dest, manifest):
+        return False
+    if not verify_cached:
+        return True
+    try:
+        verify_dir(dest)
+        return True
+    except StorageError as e:
+        log.warning("cached copy %s is damaged (%s); pulling it again", dest, e)
+        return False
+
+
+def _pull_into(
+    fs: fsspec.AbstractFileSystem,
+    version_dir: str,
+    manifest: WeightsManifest,
+    cache_dir: str,
+    dest: str,
+    workers: int,
+    retries: int,
+) -> None:
     stage = os.path.join(
         cache_dir, f"{TMP_PREFIX}{version_name(manifest.version)}-{uuid.uuid4().hex}"
     )
@@ -92,7 +137,6 @@ def pull_version(
         # No fsync: this is a cache. After a crash a copy is reused only if its manifest
         # and every file size match; anything else is pulled again.
         os.rename(stage, dest)
-        return dest
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

@@ -46,7 +46,7 @@ from storage.errors import StorageError
 from storage.fs import dumps, is_local, join, open_root, read_json, write_bytes
 from storage.hashio import VerifyingReader
 from storage.layout import LEASE_JSON, RUN_JSON, check_run_name, iter_name, version_name
-from storage.types import GcReport, Lease, WeightsManifest
+from storage.types import GcReport, Lease, Pulled, WeightsManifest
 
 log = logging.getLogger("storage")
 
@@ -188,20 +188,25 @@ class RunStore:
     def local_version_dir(self, version: int) -> str | None:
         return self.version_url(version) if is_local(self.fs) else None
 
-    def pull_version(
+    def pull(
         self,
         version: int,
         cache_dir: str,
         workers: int = 8,
         retries: int = 3,
         verify_cached: bool = False,
-    ) -> str:
-        """``cache_dir/v000012``, verified while pulled; ``verify_cached`` also hashes a
-        reused cached copy and pulls it again if it changed (see storage.pull)."""
+    ) -> Pulled:
+        """Make ``cache_dir/v000012`` a verified copy (once per cache, however many
+        callers pull at once); ``verify_cached`` also hashes a reused copy and pulls it
+        again if it changed (see storage.pull)."""
         manifest = self.read_manifest(version)
         return _pull.pull_version(
             self.fs, self.version_url(version), manifest, cache_dir, workers, retries, verify_cached
         )
+
+    def pull_version(self, version: int, cache_dir: str, **kwargs: Any) -> str:
+        """The path of ``pull``'s verified copy."""
+        return self.pull(version, cache_dir, **kwargs).path
 
     # -- ledger, metrics, engines --------------------------------------------------
     def write_record(

@@ -114,3 +114,14 @@ class GcReport(BaseModel):
     kept_checkpoints: list[int]  # committed checkpoints left in place
     protected: dict[int, str]  # version -> why it was kept beyond keep_last
     removed_debris: list[str]  # torn/staging folders cleaned up (no commit marker)
+
+
+class Pulled(BaseModel):
+    """What one ``RunStore.pull`` did on the machine it ran on."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str  # cache_dir/v000012, verified
+    copied: bool  # False: a complete copy was already there (another engine of this node pulled it)
+    bytes: int  # bytes the version's files hold
+    seconds: float  # wall time of the call, waiting for a concurrent pull of it included

@@ -7,7 +7,15 @@ address ("Failed to connect to GCS").
 A configured address is checked before ``ray.init``: nothing answering there
 fails within seconds with the address in the message, and a cluster with fewer
 CPUs than the run's actors reserve fails at once instead of leaving a placement
-group pending forever. No Prefect here.
+group pending forever.
+
+Across nodes, two more checks once joined: every node resource a side is
+pinned to (``engines.node_resource``, ``train.node_resource``) is offered by an
+alive node, and a local ``storage.root`` is one filesystem on every node that
+may host a side: a probe file written here must be visible from each of them
+(``check_shared_root``), else the run is refused before it starts, naming the
+node. A local cluster of this process offers the configured node resources
+itself, so a pinned config also runs on one machine. No Prefect here.
 """
 
 from __future__ import annotations
@@ -15,9 +23,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import uuid
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from engines.placement import describe_node
 from tasks.config import ConfigError, RunConfig
 
 log = logging.getLogger("prefect_rl.cluster")
@@ -26,6 +37,8 @@ CONNECT_TIMEOUT_S = 5.0  # a live GCS answers a TCP connect at once
 # The local cluster's logical CPUs beyond the actors' bundles: Prefect tasks
 # running as Ray tasks (RayTaskRunner) need room beside them on a 2-core machine.
 LOCAL_SPARE_CPUS = 4
+# A probe is a file lookup, but a node may first have to start a Python worker for it.
+PROBE_TIMEOUT_S = 60.0
 
 
 def actor_cpus(cfg: RunConfig) -> float:
@@ -72,7 +85,9 @@ def connect_ray(cfg: RunConfig) -> None:
         return
     if cfg.ray.address is None:
         start_local_ray(
-            cfg.ray.num_cpus or int(actor_cpus(cfg)) + LOCAL_SPARE_CPUS, cfg.ray.namespace
+            cfg.ray.num_cpus or int(actor_cpus(cfg)) + LOCAL_SPARE_CPUS,
+            cfg.ray.namespace,
+            {r: 1.0 for r in node_resources(cfg)},
         )
         return
     address = cfg.ray.address
@@ -93,6 +108,12 @@ def connect_ray(cfg: RunConfig) -> None:
             "RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (README, Security)"
         ) from None
     check_cpus(cfg, address)
+    check_shared_root(cfg)
+
+
+def node_resources(cfg: RunConfig) -> set[str]:
+    """The custom resources the run's sides are pinned to (none when unpinned)."""
+    return {r for r in (cfg.engines.node_resource, cfg.train.node_resource) if r}
 
 
 def actor_gpus(cfg: RunConfig) -> float:
@@ -113,6 +134,14 @@ def shortfall(cfg: RunConfig, address: str, total: dict[str, float]) -> str | No
             f"(ray start --head --num-cpus={int(need) + LOCAL_SPARE_CPUS}), or lower "
             "engines.num_cpus_per_engine / train.num_cpus_per_worker"
         )
+    for side, r in (("engines", cfg.engines.node_resource), ("train", cfg.train.node_resource)):
+        if r and total.get(r, 0.0) <= 0:
+            return (
+                f"no node of the Ray cluster at {address} offers resource {r!r}, which "
+                f"{side}.node_resource pins that side to; start its hosts with "
+                f"ray start --address={address} --resources='{{\"{r}\": 1}}', or unset "
+                f"{side}.node_resource"
+            )
     need, have = actor_gpus(cfg), total.get("GPU", 0.0)
     if have < need:
         return (
@@ -132,7 +161,9 @@ def check_cpus(cfg: RunConfig, address: str) -> None:
         raise ConfigError(why)
 
 
-def start_local_ray(num_cpus: int, namespace: str) -> None:
+def start_local_ray(
+    num_cpus: int, namespace: str, resources: dict[str, float] | None = None
+) -> None:
     """Start this process's own Ray cluster, listening on loopback only.
 
     Its auth is off (RAY_AUTH_MODE=disabled unless the user exported a mode),
@@ -159,6 +190,7 @@ def start_local_ray(num_cpus: int, namespace: str) -> None:
         ray.init(
             address="local",
             num_cpus=num_cpus,
+            resources=resources or None,  # the node resources a pinned config asks for
             namespace=namespace,
             include_dashboard=False,
             log_to_driver=False,
@@ -166,3 +198,63 @@ def start_local_ray(num_cpus: int, namespace: str) -> None:
         )
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+@ray.remote(num_cpus=0)
+def _sees(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def host_nodes(cfg: RunConfig) -> list[dict]:
+    """Alive nodes that may host an engine or a train rank (every alive node offering
+    CPUs, when a side is unpinned)."""
+    pins = [cfg.engines.node_resource, cfg.train.node_resource]
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if None in pins:
+        return [n for n in alive if n.get("Resources", {}).get("CPU", 0) > 0]
+    return [n for n in alive if any(r in n.get("Resources", {}) for r in pins)]
+
+
+def check_shared_root(cfg: RunConfig) -> None:
+    """Refuse a local ``storage.root`` that some node hosting a side does not see.
+
+    The trainer writes checkpoints and versions there and the disk transport's
+    engines load from it, so it must be one filesystem everywhere. A probe file is
+    written here and looked for from each such node (one tiny task per node), which
+    catches a path that exists on every node but on each one's own disk. Skipped
+    for object stores, and for a single node on this host (nothing to compare)."""
+    from storage.fs import is_local, open_root
+
+    fs, root = open_root(cfg.storage.root, cfg.storage.s3)
+    if not is_local(fs):
+        return
+    nodes = host_nodes(cfg)
+    here = ray.util.get_node_ip_address()
+    if len(nodes) <= 1 and all(n.get("NodeManagerAddress") == here for n in nodes):
+        return
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, f".probe-{uuid.uuid4().hex}")
+    with open(path, "w") as f:
+        f.write(here)
+    try:
+        refs = [
+            _sees.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+            ).remote(path)
+            for n in nodes
+        ]
+        seen = ray.get(refs, timeout=PROBE_TIMEOUT_S)
+    finally:
+        os.unlink(path)
+    blind = [n for n, ok in zip(nodes, seen) if not ok]
+    if blind:
+        names = ", ".join(describe_node(n) for n in blind)
+        raise ConfigError(
+            f"storage.root {cfg.storage.root!r} is a local path, but Ray node(s) {names}, "
+            f"which may host engines or train ranks, do not see it (a probe file written "
+            f"here is missing there): with weights.transport {cfg.weights.transport!r} every "
+            "node reads and writes the run's versions and checkpoints there. Mount one "
+            "shared filesystem at that path on every node (NFS, Lustre, a shared volume), "
+            "or use an object store: storage.root: s3://bucket/prefix with weights.transport: "
+            "object-store and engines.local_cache_dir on each node's own disk"
+        )

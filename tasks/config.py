@@ -131,6 +131,7 @@ class RunConfig(BaseModel):
             _check_colocation(self)
         elif self.weights.transport == "distributed":
             _check_broadcast_devices(self)
+        _check_node_pinning(self)
         return self
 
     @model_validator(mode="after")
@@ -193,6 +194,27 @@ def _check_colocation(cfg: RunConfig) -> None:
                 "colocated SGLang engines free their memory only with --enable-memory-saver: "
                 "add it to engines.sglang.extra_args"
             )
+
+
+def _check_node_pinning(cfg: RunConfig) -> None:
+    """Refuse sides pinned apart (engines.node_resource, train.node_resource) where
+    they must share a host: colocated devices, or tensor's shared memory / CUDA IPC."""
+    e, t = cfg.engines.node_resource, cfg.train.node_resource
+    if e == t:
+        return
+    pins = f"engines.node_resource {e!r} and train.node_resource {t!r}"
+    if cfg.placement.colocate:
+        raise ValueError(
+            f"placement.colocate puts train and engine ranks on the same devices, but {pins} "
+            "may put them on different nodes; give both the same resource, or set "
+            "placement.colocate: false"
+        )
+    if cfg.weights.transport == "tensor":
+        raise ValueError(
+            f"weights.transport 'tensor' hands buckets over one host's shared memory / CUDA "
+            f"IPC, but {pins} may put the two sides on different hosts; use weights.transport: "
+            "distributed (gloo / NCCL across nodes) or object-store, or pin both to one resource"
+        )
 
 
 def _check_broadcast_devices(cfg: RunConfig) -> None:

@@ -52,8 +52,9 @@ class RunContext:
             engine_ranks=e.num_engines * e.tp_size,
             engine_cpus=e.num_cpus_per_engine,
             gpus=t.num_gpus_per_worker > 0,
+            resource=e.node_resource,  # the same as train's: RunConfig refuses others
         )
-        return SharedPlacement(self.run_name, tuple(bundles), e.tp_size)
+        return SharedPlacement(self.run_name, tuple(bundles), e.tp_size, e.node_resource)
 
     def engines(self):  # -> engines.group.EngineGroup
         from engines.group import EngineGroup

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import ray
 
@@ -105,13 +106,13 @@ class Transport:
         """The version engines serve after iteration k (read-only: nothing is republished)."""
         return k if self.pushes else newest_published(ctx, k)
 
-    def serve(self, ctx, group, engine_id: int, v: int, force: bool) -> colocate.Memory | None:
-        """Bring engine ``engine_id`` to version v; the device states it leaves."""
+    def serve(self, ctx, group, engine_id: int, v: int, force: bool) -> Served:
+        """Bring engine ``engine_id`` to version v; what it took."""
         return disk_engine_serves(ctx, group, engine_id, v, force)
 
     def revive(self, ctx, group, engine_id: int, v: int) -> None:
         """Restart the dead engine ``engine_id`` on version v."""
-        group.restart(engine_id, version_path(ctx, v), v)
+        group.restart(engine_id, engine_weights(ctx, group, engine_id, v).path, v)
 
 
 class DiskTransport(Transport):
@@ -119,14 +120,14 @@ class DiskTransport(Transport):
 
 
 class ObjectStoreTransport(Transport):
-    name = "object-store"  # the same reload: ``version_path`` pulls into a verified cache
+    name = "object-store"  # the same reload: ``engine_weights`` pulls on the engine's node
 
 
 class TensorTransport(Transport):
     name = "tensor"  # bucketed hand-off: shared memory on CPU, CUDA IPC on GPU
     pushes = True
 
-    def serve(self, ctx, group, engine_id: int, v: int, force: bool) -> colocate.Memory | None:
+    def serve(self, ctx, group, engine_id: int, v: int, force: bool) -> Served:
         return push_engine_serves(ctx, group, engine_id, v, force)
 
     def revive(self, ctx, group, engine_id: int, v: int) -> None:
@@ -167,17 +168,39 @@ def target_version(ctx, k: int) -> int:
 
 
 def cache_dir(ctx) -> str:
-    base = ctx.cfg.engines.local_cache_dir or os.path.expanduser("~/.cache/prefect-rl")
+    """The engines' cache of this run, as each engine node resolves it ('~' there)."""
+    base = ctx.cfg.engines.local_cache_dir or "~/.cache/prefect-rl"
     return os.path.join(base, ctx.run_name, "weights")
 
 
-def version_path(ctx, v: int) -> str:
-    """A local directory holding version v: the version folder itself on local
-    disk, else a verified pull into the engines' local cache."""
+@dataclass(frozen=True)
+class Weights:
+    """Where engine ``engine_id`` reads version v from."""
+
+    path: str  # a directory on the engine's node
+    pull: dict[str, Any] | None  # the node-cache pull (storage.Pulled + node); None: none
+
+
+@dataclass(frozen=True)
+class Served:
+    """What bringing one engine to a version did; ``recorded`` goes into its step result."""
+
+    memory: colocate.Memory | None  # colocated: the device states it left
+    pull: dict[str, Any] | None = None  # the node-cache pull, if the version was read from one
+
+    def recorded(self) -> dict[str, Any]:
+        return {**colocate.recorded(self.memory), **({"pull": self.pull} if self.pull else {})}
+
+
+def engine_weights(ctx, group, engine_id: int, v: int) -> Weights:
+    """Version v on the engine's node: the version folder itself on a local root
+    every node sees (``tasks.cluster.check_shared_root``), else a verified pull into
+    the local cache of the node the engine sits on (one copy per node)."""
     local = ctx.store.local_version_dir(v)
     if local is not None and ctx.cfg.engines.local_cache_dir is None:
-        return local
-    return ctx.store.pull_version(v, cache_dir(ctx))
+        return Weights(local, None)
+    pulled = group.pull(engine_id, ctx.cfg.storage, v, cache_dir(ctx))
+    return Weights(pulled["path"], pulled)
 
 
 def kill_engine(group, engine_id: int) -> None:
@@ -222,43 +245,37 @@ def served_version(ctx, group, engine_id: int) -> str | None:
         return None
 
 
-def ensure_engine_serves(
-    ctx, group, engine_id: int, v: int, force_reload: bool = False
-) -> colocate.Memory | None:
+def ensure_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool = False) -> Served:
     """Bring engine ``engine_id`` to version v the run's transport's way
     (``transport_for``). Loading a version twice is harmless.
 
-    Colocated, returns the device states it leaves (see ``tasks.colocate``)."""
+    Colocated, ``Served.memory`` holds the device states it leaves (``tasks.colocate``)."""
     return transport_for(ctx).serve(ctx, group, engine_id, v, force_reload)
 
 
-def disk_engine_serves(
-    ctx, group, engine_id: int, v: int, force_reload: bool = False
-) -> colocate.Memory | None:
+def disk_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool = False) -> Served:
     """Disk and object-store transports: restart a dead engine on v, else pause,
     /update_weights_from_disk, continue (see ``_disk_reload``)."""
-    path = version_path(ctx, v)
+    weights = engine_weights(ctx, group, engine_id, v)
     # Trainer asleep before the engine wakes; the health check below runs a forward.
     memory = colocate.for_update(ctx, engine_id, push=False)
     if not group.is_alive(engine_id):
         log.warning("engine %d is not alive; restarting it on v%d", engine_id, v)
-        group.restart(engine_id, path, v)
+        group.restart(engine_id, weights.path, v)
         memory = colocate.for_update(ctx, engine_id, push=False)  # the new one's state
     elif force_reload or served_version(ctx, group, engine_id) != str(v):
-        _disk_reload(ctx, group, engine_id, v)
+        _disk_reload(ctx, group, engine_id, v, weights.path)
     ctx.store.record_serving(engine_id, v)
-    return memory
+    return Served(memory, weights.pull)
 
 
-def push_engine_serves(
-    ctx, group, engine_id: int, v: int, force: bool = False
-) -> colocate.Memory | None:
+def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) -> Served:
     """In-memory transports: bring engine ``engine_id`` to version v by pushing
     trainer state v into it. A dead engine is first restarted on the newest
     committed version <= v from disk; a version already on disk that the trainer
     no longer holds is loaded from disk (as the disk transport does).
 
-    Colocated, returns the device states it leaves (see ``tasks.colocate``)."""
+    Colocated, ``Served.memory`` holds the device states it leaves (``tasks.colocate``)."""
     committed = [c for c in ctx.store.committed_versions() if c <= v]
     memory = colocate.wake_engine(ctx, engine_id)  # the health check runs a forward
     if not group.is_alive(engine_id):
@@ -267,25 +284,25 @@ def push_engine_serves(
             "engine %d is not alive; restarting it on v%d, then pushing v%d", engine_id, base, v
         )
         colocate.for_update(ctx, engine_id, push=False)  # room for the new engine
-        group.restart(engine_id, version_path(ctx, base), base)
+        group.restart(engine_id, engine_weights(ctx, group, engine_id, base).path, base)
         memory = colocate.wake_engine(ctx, engine_id)  # the new one's state
     if force or served_version(ctx, group, engine_id) != str(v):
         trainer = ctx.trainer()
         if v in committed and trainer.iteration() != v:
             memory = colocate.for_update(ctx, engine_id, push=False)
-            _disk_reload(ctx, group, engine_id, v)
+            _disk_reload(ctx, group, engine_id, v, engine_weights(ctx, group, engine_id, v).path)
         else:
             trainer.ensure_state(v, ctx.base_model_path)
             # Both sides hold the weights while they move; re-created ranks start awake.
             memory = colocate.for_update(ctx, engine_id, push=True)
             _push(ctx, group, trainer, engine_id, v)
     ctx.store.record_serving(engine_id, v)
-    return memory
+    return Served(memory)
 
 
-def _disk_reload(ctx, group, engine_id: int, v: int) -> None:
-    """Pause, /update_weights_from_disk (flushing every flush_cache_interval versions), continue."""
-    path = version_path(ctx, v)
+def _disk_reload(ctx, group, engine_id: int, v: int, path: str) -> None:
+    """Pause, /update_weights_from_disk of ``path`` on the engine's node (flushing every
+    flush_cache_interval versions), continue."""
     flush = v % ctx.cfg.weights.flush_cache_interval == 0
     with engine_client(ctx, group, engine_id) as client:
         client.pause_generation(ctx.cfg.engines.pause_mode)

@@ -10,7 +10,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RunContext
-from tasks.engines import ensure_engine_serves, version_path
+from tasks.engines import engine_weights, ensure_engine_serves
 from tasks.verify import check_serves
 
 
@@ -34,7 +34,7 @@ def point_engine(ctx: RunContext, version: int, engine_id: int) -> dict[str, Any
 def start_engine(ctx: RunContext, version: int, engine_id: int) -> dict[str, Any]:
     """Start engine ``engine_id`` on ``version`` (read-only: no serving record written)."""
     group = ctx.engines()
-    group.restart(engine_id, version_path(ctx, version), version)
+    group.restart(engine_id, engine_weights(ctx, group, engine_id, version).path, version)
     return {"engine": engine_id, "version": version, "started": True}
 
 

@@ -206,12 +206,12 @@ def _publish(ctx, k: int, engine_id: int | None) -> Result:
 def _reload(ctx, k: int, engine_id: int) -> Result:
     v = target_version(ctx, k)  # disk: the newest published version <= k
     t0 = time.perf_counter()
-    memory = ensure_engine_serves(ctx, ctx.engines(), engine_id, v, force_reload=True)
+    served = ensure_engine_serves(ctx, ctx.engines(), engine_id, v, force_reload=True)
     return {
         "engine": engine_id,
         "version": v,
         "reload_s": time.perf_counter() - t0,
-        **colocate.recorded(memory),
+        **served.recorded(),
     }
 
 

@@ -70,6 +70,9 @@ class ReloadResult(StepResult):
     engine: int
     version: int  # what the engine serves after the step
     reload_s: float
+    # Read from the engine node's cache: storage.Pulled (path, copied, bytes, seconds) and
+    # the Ray node id; copied is False when another engine of the node had pulled it.
+    pull: dict[str, Any] | None = None
 
 
 class VerifyRecord(StepResult):

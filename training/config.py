@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engines.config import check_node_resource
 from rollout.config import RolloutConfig
 from storage.config import StorageConfig
 
@@ -155,6 +156,12 @@ class TrainConfig(BaseModel):
     )
     num_cpus_per_worker: float = Field(1.0, gt=0)
     num_gpus_per_worker: float = Field(0.0, ge=0)
+    node_resource: str | None = Field(
+        None,
+        description="Pin train ranks to the nodes offering this custom Ray resource (ray "
+        "start --resources='{\"train_host\": 1}'); each rank's bundle asks for 0.001 of it. "
+        "None: any node",
+    )
     torch_threads: int = Field(1, ge=1)
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -176,6 +183,11 @@ class TrainConfig(BaseModel):
     loss: LossConfig = LossConfig()
     critic: CriticConfig = CriticConfig()
     megatron: MegatronConfig = MegatronConfig()
+
+    @field_validator("node_resource")
+    @classmethod
+    def _custom_resource(cls, v: str | None) -> str | None:
+        return check_node_resource("train.node_resource", v)
 
     @model_validator(mode="after")
     def _check_combination(self) -> TrainConfig:

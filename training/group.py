@@ -23,7 +23,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engines import deadline
-from engines.placement import SharedPlacement
+from engines.placement import SharedPlacement, pinned, unplaceable
 from training.actor import TrainActor
 from training.config import RunIdentity, TrainerSections
 
@@ -131,6 +131,7 @@ class TrainGroup:
         bundle: dict[str, float] = {"CPU": cfg.num_cpus_per_worker}
         if cfg.num_gpus_per_worker > 0:
             bundle["GPU"] = cfg.num_gpus_per_worker
+        bundle = pinned(bundle, cfg.node_resource)  # train.node_resource: its hosts only
         pg = placement_group(
             [dict(bundle) for _ in range(self.world_size)],
             strategy="PACK",
@@ -142,9 +143,9 @@ class TrainGroup:
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(pg)
             raise RuntimeError(
-                f"the train placement group ({self.world_size} x {bundle}) could not be placed within "
-                f"{PG_READY_TIMEOUT_S:.0f}s: the Ray cluster lacks free resources; stop other runs' "
-                "actors or lower train.num_workers / train.num_cpus_per_worker"
+                f"the train placement group ({self.world_size} x {bundle}) could not be placed "
+                f"within {PG_READY_TIMEOUT_S:.0f}s: {unplaceable(cfg.node_resource)}; or stop "
+                "other runs' actors, or lower train.num_workers / train.num_cpus_per_worker"
             ) from None
         return pg
 

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -251,3 +253,15 @@ class Stack:
             self.server.close()
         if self.own_ray:
             forget_ray_address(self.ray_port)
+
+
+@contextmanager
+def worker_stack(workdir: Path, ray_address: str, server: PrefectServer) -> Iterator[Stack]:
+    """Every deployment of prefect.yaml on ``server`` and a process worker whose flow
+    runs join the Ray cluster at ``ray_address`` (as a long-lived cluster is joined)."""
+    s = Stack(workdir, ray_address=ray_address, server=server).start()
+    try:
+        s.deploy_and_start_worker()
+        yield s
+    finally:
+        s.close()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.e2e.services import Stack
+from tests.e2e.services import worker_stack
 
 pytestmark = pytest.mark.slow
 
@@ -21,13 +21,8 @@ def stack(ray_cluster, prefect_server, tmp_path_factory):
     # would a long-lived cluster at ray.address), not a head started for this module,
     # and report to the session's Prefect server.
     address = ray_cluster.get_runtime_context().gcs_address
-    s = Stack(tmp_path_factory.mktemp("stack"), ray_address=address, server=prefect_server)
-    s.start()
-    try:
-        s.deploy_and_start_worker()
+    with worker_stack(tmp_path_factory.mktemp("stack"), address, prefect_server) as s:
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")

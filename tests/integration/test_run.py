@@ -10,7 +10,7 @@ import pytest
 from flows.config import load_config
 from flows.driver import run_plain
 from tasks import steps
-from tasks.engines import version_path
+from tasks.engines import engine_weights
 from tasks.prepare import prepare_run
 
 
@@ -60,7 +60,9 @@ def test_verify_fails_when_an_engine_is_left_on_an_old_version(ray_cluster, tmp_
     for e in (0, 1):
         assert steps.verify_engine(ctx, 2, e)["verified"]
     handle = ctx.engines().handle(1)
-    reply = ray_cluster.get(handle.update_weights_from_disk.remote(version_path(ctx, 1), "1"))
+    reply = ray_cluster.get(
+        handle.update_weights_from_disk.remote(engine_weights(ctx, ctx.engines(), 1, 1).path, "1")
+    )
     assert reply["success"]
     assert steps.verify_engine(ctx, 2, 0)["verified"]
     with pytest.raises(

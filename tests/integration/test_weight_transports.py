@@ -13,7 +13,7 @@ import ray
 
 from flows.config import load_config
 from tasks import steps
-from tasks.engines import push_engine_serves, version_path
+from tasks.engines import engine_weights, push_engine_serves
 from tasks.prepare import prepare_run
 
 CONFIG = "configs/tiny-cpu.yaml"
@@ -74,7 +74,11 @@ def test_in_memory_transport_through_the_flow(ray_cluster, prefect_api, tmp_path
         assert len(pushed) == 1
 
         # A disk reload of the same version gives the same bytes.
-        reply = ray.get(group.handle(0).update_weights_from_disk.remote(version_path(ctx, 3), "3"))
+        reply = ray.get(
+            group.handle(0).update_weights_from_disk.remote(
+                engine_weights(ctx, group, 0, 3).path, "3"
+            )
+        )
         assert reply["success"]
         assert {_sha(group, 0)} == pushed
 

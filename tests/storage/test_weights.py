@@ -269,3 +269,18 @@ def test_local_pull_links_and_refetch_never_writes_into_the_version(tmp_path, mo
         for folder in (store.local_version_dir(1), d, d2):
             with open(os.path.join(folder, name), "rb") as f:
                 assert f.read() == data
+
+
+def test_concurrent_pulls_of_a_version_copy_it_once(store, tmp_path):
+    """Engines of one node reload at once: the version crosses the network once,
+    the other pullers wait on its lock and reuse the verified copy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    publish(store, 1)
+    cache = str(tmp_path / "node-cache")
+    with ThreadPoolExecutor(4) as pool:
+        pulls = list(pool.map(lambda _: store.pull(1, cache), range(4)))
+    assert sorted(p.copied for p in pulls) == [False, False, False, True]
+    assert {p.path for p in pulls} == {os.path.join(cache, "v000001")}
+    assert all(p.bytes == sum(f.bytes for f in store.read_manifest(1).files) for p in pulls)
+    assert store.pull(1, cache).copied is False  # and later ones, too

@@ -38,6 +38,7 @@ TRAINER_KEYS = {
     "train.num_workers",
     "train.num_cpus_per_worker",
     "train.num_gpus_per_worker",
+    "train.node_resource",
     "train.torch_threads",
     "train.lr",
     "train.weight_decay",
