@@ -148,3 +148,11 @@ def test_critic_restores_and_replays_byte_identically(ray_cluster, tiny_model, s
         a = CriticStore(storage_cfg, "ppo-straight").read_advantages(k)
         b = CriticStore(storage_cfg, "ppo-resumed").read_advantages(k)
         assert torch.equal(a, b), k
+
+
+def test_ppo_on_colocated_devices_is_refused_at_load():
+    """The critic takes devices of its own; the colocated bundles have none for it."""
+    from flows.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="set placement.colocate: false for PPO"):
+        load_config(None, {"train.loss.advantage": "gae", "placement.colocate": True})
