@@ -22,7 +22,7 @@ Ray or engines.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -71,6 +71,11 @@ def groups(samples: list[Sample], n: int) -> list[list[Sample]]:
 def informative(group: list[Sample]) -> bool:
     """True when the group's rewards differ: it carries a gradient."""
     return len({s.reward for s in group}) > 1
+
+
+def counts(batch: RolloutBatch) -> dict[str, int] | None:
+    """The rollout step's ledger entry of what dynamic sampling did (None when off)."""
+    return None if batch.sampling is None else asdict(batch.sampling)
 
 
 def fill(

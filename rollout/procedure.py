@@ -219,6 +219,7 @@ def summary(batch: RolloutBatch, gen_s: float | None, reused: bool) -> dict[str,
         "reused": reused,
         "example": batch.samples[0].response_text if batch.samples else "",
         "failures": _failure_counts(batch),
+        "sampling": dynamic_sampling.counts(batch),  # hook: DAPO dynamic sampling's record
     }
 
 

@@ -37,6 +37,8 @@ class RolloutResult(StepResult):
     example: str  # one response, for the console line
     # multi-turn: {retries, replaced, dropped} of rollout.failures; None for single-turn
     failures: dict[str, int] | None = None
+    # rollout.dynamic_sampling: {rounds, prompts, dropped_groups, filled_uniform}; None when off
+    sampling: dict[str, int] | None = None
 
 
 class TrainResult(StepResult):

@@ -60,6 +60,8 @@ class ActorCriticGroup:
         self.policy, self.critic = policy, critic
         # What callers read of a trainer: the policy's settings (the critic's are the same).
         self.identity, self.sections = policy.identity, policy.sections
+        # Engines serve the policy: publishing it and pushing it are the policy group's alone.
+        self.export_hf, self.push_weights = policy.export_hf, policy.push_weights
 
     @property
     def world_size(self) -> int:
@@ -112,21 +114,6 @@ class ActorCriticGroup:
 
     def wait_saved(self) -> list[str]:
         return [*self.critic.wait_saved(), *self.policy.wait_saved()]
-
-    def export_hf(
-        self, version: int, iteration: int, parent: int | None, background: bool = False
-    ) -> dict:
-        return self.policy.export_hf(version, iteration, parent, background)
-
-    def push_weights(
-        self,
-        engine: Any,
-        transport: str,
-        bucket_bytes: int,
-        flush_cache: bool,
-        group_name: str = "",
-    ) -> dict:
-        return self.policy.push_weights(engine, transport, bucket_bytes, flush_cache, group_name)
 
     def offload(self) -> list[dict[str, Any]]:
         return [*self.critic.offload(), *self.policy.offload()]

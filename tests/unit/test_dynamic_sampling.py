@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from rollout.config import RolloutConfig
 from rollout.dynamic_sampling import EXTRA_INDEX_BASE, informative
-from rollout.procedure import generate_batch
+from rollout.procedure import generate_batch, summary
 from tests.unit.test_procedure import FakeTokenizer
 
 
@@ -59,6 +59,8 @@ def test_groups_of_equal_rewards_are_replaced_until_the_batch_is_full():
     assert record.prompts == sum(calls)
     assert record.dropped_groups == record.prompts - cfg.batch_size
     assert record.filled_uniform == 0
+    # the rollout step's ledger result carries the record
+    assert summary(batch, gen_s=1.0, reused=False)["sampling"]["rounds"] == record.rounds
     # later rounds' prompts sit in a block of their own, never an iteration's regular one
     extra = {s.prompt_index for s in batch.samples if s.prompt_index >= EXTRA_INDEX_BASE}
     assert extra and len({s.prompt_index for s in batch.samples}) == cfg.batch_size
@@ -83,3 +85,4 @@ def test_off_by_default_the_first_round_is_the_batch():
     batch, calls = _run(RolloutConfig(batch_size=8, n_samples_per_prompt=4))
     assert calls == [8] and batch.sampling is None
     assert "sampling" not in batch.to_json()  # persisted exactly as before the setting existed
+    assert summary(batch, gen_s=1.0, reused=False)["sampling"] is None
