@@ -60,10 +60,7 @@ def snapshot(
     if rank != 0:
         return None
     snap = {"model": model_sd, "optim": optim_sd, "rng": rng_state()}
-    if copy:
-        owned = [*_tensors(optim.state), *model.parameters(), *model.buffers()]
-        snap = _copied(snap, {_storage(t) for t in owned})
-    return snap
+    return detached(snap, model, optim) if copy else snap
 
 
 def write(store: Any, k: int, snap: dict[str, Any], meta: dict) -> dict:
@@ -84,8 +81,14 @@ def write(store: Any, k: int, snap: dict[str, Any], meta: dict) -> dict:
 def host_copy(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
     """A gathered state dict that shares no memory with the live ``model``, so the
     model can train on while it is written (a one-rank CPU model's is the live tensors)."""
-    owned = [*model.parameters(), *model.buffers()]
-    return _copied(state, {_storage(t) for t in owned})
+    return detached(state, model)
+
+
+def detached(tree: Any, model: nn.Module, optim: torch.optim.Optimizer | None = None) -> Any:
+    """``tree`` with every tensor that shares memory with ``model`` (or ``optim``'s
+    state) cloned, so a background write never sees a later step's values."""
+    owned = [*model.parameters(), *model.buffers(), *_tensors(optim.state if optim else {})]
+    return _copied(tree, {_storage(t) for t in owned})
 
 
 def _tensors(tree: Any):

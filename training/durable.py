@@ -45,13 +45,23 @@ class DurableState:
             return store.read_checkpoint_meta(k) if self.rank == 0 else None
         meta = {"iteration": k, "weights_version": k, "seed": self.seed, **(meta_extra or {})}
         meta["world_size"] = self.world_size
-        snap = checkpoint.snapshot(self.model, self.optim, self.rank, copy=background)
+        meta.update(self._checkpoint_meta())
+        snap = self._checkpoint_snapshot(copy=background)
         if snap is None:
             return None
         if not background:
             return {**checkpoint.write(store, k, snap, meta), "warnings": warnings}
         self._saver.start(k, lambda: checkpoint.write(store, k, snap, meta), fail_background)
         return {**meta, "background": True, "warnings": warnings}
+
+    def _checkpoint_snapshot(self, copy: bool) -> dict | None:
+        """Collective: the checkpoint's contents on rank 0 (the megatron actor gathers
+        its TP shards instead)."""
+        return checkpoint.snapshot(self.model, self.optim, self.rank, copy=copy)
+
+    def _checkpoint_meta(self) -> dict:
+        """What this backend adds to a checkpoint's meta."""
+        return {}
 
     def wait_saved(self) -> list[str]:
         """Wait for the background checkpoint write in flight; failures since last asked."""

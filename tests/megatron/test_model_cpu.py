@@ -71,3 +71,43 @@ def test_layout_refuses_pipeline_parallel_and_bad_world_sizes():
         check_layout(2, 1, 2, spec)
     with pytest.raises(ValueError, match="multiple of"):
         check_layout(3, 2, 1, spec)
+
+
+def test_a_background_snapshot_is_written_as_it_was_taken(parallel_state, tmp_path):
+    """The megatron checkpoint goes through the same snapshot + write as the torch
+    backend's, so it can be written in the background: what is written is the state
+    when the snapshot was taken, though the model and optimizer step on meanwhile,
+    and it loads back into a fresh model (in HF names) and optimizer."""
+    from storage.config import StorageConfig
+    from storage.run_store import RunStore
+    from training import checkpoint
+    from training.megatron import checkpoint as mcheckpoint
+
+    model = tiny_model("qwen2")
+    gpt = build_gpt(model.config, "float32", 1, 1, torch.device("cpu"))
+    wrap(gpt, model.config, "float32")
+    load_hf_state(gpt, hf_state(model), tp=1, tp_rank=0)
+    optim = torch.optim.AdamW(gpt.parameters(), lr=0.1)
+
+    def step() -> None:  # no forward on CPU: gradients set by hand, then a real AdamW step
+        for p in gpt.parameters():
+            p.grad = torch.ones_like(p)
+        optim.step()
+
+    step()
+    snap = mcheckpoint.snapshot(gpt, optim, copy=True)
+    taken = {n: t.clone() for n, t in full_hf_state(gpt, tp=1).items()}
+    step()  # training goes on while the write is in flight
+    store = RunStore(StorageConfig(root=str(tmp_path)), "mbg")
+    meta = checkpoint.write(store, 1, snap, {"iteration": 1, **mcheckpoint.meta_extra()})
+    assert meta["backend"] == "megatron" and store.committed_checkpoints() == [1]
+    store.verify_checkpoint(1)
+
+    fresh = build_gpt(model.config, "float32", 1, 1, torch.device("cpu"))
+    wrap(fresh, model.config, "float32")
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    assert mcheckpoint.load(store, 1, fresh, fresh_optim)["iteration"] == 1
+    back = full_hf_state(fresh, tp=1)
+    assert all(torch.equal(back[n], t) for n, t in taken.items())
+    assert not all(torch.equal(full_hf_state(gpt, tp=1)[n], t) for n, t in taken.items())
+    assert fresh_optim.state_dict()["state"][0]["step"] == 1  # the snapshot's, not step 2's

@@ -114,23 +114,11 @@ class MegatronTrainActor(TrainActor):
         self._iteration = int(meta["iteration"])
         return self._iteration
 
-    def save_checkpoint(
-        self,
-        k: int,
-        meta_extra: dict | None = None,
-        fence: int | None = None,
-        background: bool = False,
-        fail_background: bool = False,
-    ) -> dict | None:
-        """Collective. Rank 0 commits ``checkpoints/iter_k`` (fenced) and returns its meta.
-        Always written before it returns: megatron has no background save yet."""
-        self._require_at(k, "save_checkpoint")
-        store = self.store(fence)
-        if k in store.committed_checkpoints():  # committed checkpoints are never rewritten
-            return store.read_checkpoint_meta(k) if self.rank == 0 else None
-        meta = {"iteration": k, "weights_version": k, "seed": self.seed, **(meta_extra or {})}
-        meta["world_size"] = self.world_size
-        return mcheckpoint.save(store, k, self.model.gpt, self.optim, meta)
+    def _checkpoint_snapshot(self, copy: bool) -> dict | None:
+        return mcheckpoint.snapshot(self.model.gpt, self.optim, copy)
+
+    def _checkpoint_meta(self) -> dict:
+        return mcheckpoint.meta_extra()
 
     # -- training ----------------------------------------------------------
     def _data_parallel_rank(self) -> int:

@@ -1,7 +1,8 @@
 """Megatron-backend checkpoints in the run store (same commit rule as ``training.checkpoint``).
 
-File set of ``checkpoints/iter_k`` (written by global rank 0 through the
-store's checkpoint writer, COMMIT last):
+File set of ``checkpoints/iter_k`` (a ``snapshot`` gathered by every rank,
+written by global rank 0 with ``training.checkpoint.write``, at once or in the
+background like the torch backend's, COMMIT last):
 
 - ``model.safetensors``: the full model in **HF names** (TP shards gathered and
   converted back). Conversion is exact, so this is the same file the torch
@@ -28,10 +29,9 @@ from training.checkpoint import (
     MODEL_FILE,
     OPTIM_FILE,
     RNG_FILE,
+    detached,
     rng_state,
     set_rng_state,
-    write_files,
-    write_model_file,
 )
 from training.megatron.model import full_hf_state, load_hf_state
 
@@ -55,11 +55,11 @@ def _tracker_states() -> dict:
     return get_cuda_rng_tracker().get_states()
 
 
-def save(
-    store: Any, k: int, gpt: torch.nn.Module, optim: torch.optim.Optimizer, meta: dict
-) -> dict | None:
-    """Write checkpoint ``k``. Collective over all ranks; global rank 0 writes,
-    commits and returns ``meta``, the others return None."""
+def snapshot(gpt: torch.nn.Module, optim: torch.optim.Optimizer, copy: bool) -> dict | None:
+    """Collective: what checkpoint files hold (``training.checkpoint.write`` writes
+    them), gathered on global rank 0 (None elsewhere). ``copy``: no tensor shares
+    memory with the live model or optimizer, so training goes on while it is
+    written in the background. The RNG states are taken now."""
     tp, tp_rank, dp_rank = _tp()
     model_sd = full_hf_state(gpt, tp)
     optim_sd = optim.state_dict()
@@ -72,20 +72,18 @@ def save(
         optim_ranks = [optim_sd]
     if dist.get_rank() != 0:
         return None
-    writer = store.checkpoint_writer(k)
-    rng = {**rng_state(), "megatron_cuda_tracker": _tracker_states()}
-    optim_obj = {"tensor_parallel": tp, "ranks": optim_ranks}
-    write_files(
-        writer,
-        [
-            (MODEL_FILE, lambda f: write_model_file(f, model_sd)),
-            (OPTIM_FILE, lambda f: torch.save(optim_obj, f)),
-            (RNG_FILE, lambda f: torch.save(rng, f)),
-        ],
-    )
-    meta = {**meta, "backend": "megatron", "tensor_parallel": tp}
-    writer.commit(meta)
-    return meta
+    snap = {
+        "model": model_sd,
+        "optim": {"tensor_parallel": tp, "ranks": optim_ranks},
+        "rng": {**rng_state(), "megatron_cuda_tracker": _tracker_states()},
+    }
+    return detached(snap, gpt, optim) if copy else snap
+
+
+def meta_extra() -> dict[str, Any]:
+    """What a megatron checkpoint's meta adds: the backend and the TP size its
+    optimizer state is split by (a restore needs the same)."""
+    return {"backend": "megatron", "tensor_parallel": _tp()[0]}
 
 
 def load(store: Any, k: int, gpt: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
