@@ -9,16 +9,19 @@ embedded engine and one CPU train rank) with only the algorithm's keys changed
 
 Seconds per iteration is the run's wall time over its iterations (the first
 includes building the actors). ``tests/e2e/test_algorithms.py`` runs the same
-settings and asserts that each learns.
+settings and asserts that each learns. The rewards per iteration go to
+``bench/results/algorithms.json``.
 
     .venv/bin/python -m bench.algorithms [name ...]
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -61,12 +64,21 @@ def main(names: list[str]) -> None:
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     root = tempfile.mkdtemp(prefix="bench-algorithms-")
     lines = ["| algorithm | reward first 5 -> last 5 | seconds per iteration |", "|---|---|---|"]
+    results = []
     for name in names:
         rows, seconds = run(name, root)
-        first, last = first_last([r["reward_mean"] for r in rows])
-        lines.append(f"| {name} | {first:.3f} -> {last:.3f} | {seconds / len(rows):.2f} |")
+        rewards = [r["reward_mean"] for r in rows]
+        first, last = first_last(rewards)
+        per_iter = seconds / len(rows)
+        lines.append(f"| {name} | {first:.3f} -> {last:.3f} | {per_iter:.2f} |")
         print(lines[-1], flush=True)
+        keys = ALGORITHMS[name]
+        results.append(
+            {"algorithm": name, "overrides": keys, "rewards": rewards, "s_per_iter": per_iter}
+        )
     print("\n".join(lines))
+    Path("bench/results").mkdir(parents=True, exist_ok=True)
+    Path("bench/results/algorithms.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

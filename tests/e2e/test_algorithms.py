@@ -5,10 +5,11 @@ dynamic sampling, REINFORCE++, PPO with a critic), once each:
   last 5 of 20 iterations is at least twice that of the first 5 (GRPO's own
   row is ``test_learning.py``);
 - a crash and a resume end byte-identical: the fault matrix's small run
-  (``test_faults.overrides``) crashes twice, a train rank killed at train[4]
-  (PPO: the critic's, restored from its checkpoint 2 and replayed over 3) and
-  an exception at rollout[5]; the driver has no retries, so each crash ends the
-  run and a new one resumes it. Its final weights equal an uninterrupted run's.
+  (``test_faults.overrides``, evaluated every 3 iterations) crashes: a train
+  rank killed at train[4] (PPO: the critic's, restored from its checkpoint 2
+  and replayed over 3), an exception at rollout[5] and, in GSPO's row, one at
+  evaluate[3]; the driver has no retries, so each crash ends the run and a new
+  one resumes it. Its final weights and eval scores equal an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ CRASHES = [
     {"step": "train", "iteration": 4, "kind": "kill_actor"},
     {"step": "rollout", "iteration": 5, "kind": "exception"},
 ]
+# One row also crashes in the evaluate step (each crash costs a restart).
+EVAL_CRASH = {"gspo": [{"step": "evaluate", "iteration": 3, "kind": "exception"}]}
+# Evaluated at 3 and 6 in both runs: the scores of a resumed run are the same too.
+# A low pass threshold, so a tiny policy gets scores above zero to compare.
+EVAL = {"eval.interval": 3, "eval.size": 8, "eval.n_samples": 4, "eval.pass_threshold": 0.2}
 
 
 @pytest.mark.parametrize("name", LEARNERS)
@@ -55,9 +61,10 @@ def test_each_algorithm_learns_on_the_default_task(ray_cluster, tmp_path, name):
 @pytest.mark.parametrize("name", LEARNERS)
 def test_a_crashed_and_resumed_run_is_byte_identical(ray_cluster, tmp_path, name):
     algorithm = ALGORITHMS[name]
-    ref = load_config(BASE, {**overrides(tmp_path, f"{name}-ref"), **algorithm})
+    ref = load_config(BASE, {**overrides(tmp_path, f"{name}-ref"), **algorithm, **EVAL})
     reference, _, _ = run_plain(ref, quiet=True)
-    over = {**overrides(tmp_path, f"{name}-crashed", CRASHES), **algorithm}
+    faults = EVAL_CRASH.get(name, []) + CRASHES
+    over = {**overrides(tmp_path, f"{name}-crashed", faults), **algorithm, **EVAL}
     crashes = 0
     while True:
         try:
@@ -66,10 +73,19 @@ def test_a_crashed_and_resumed_run_is_byte_identical(ray_cluster, tmp_path, name
         except Exception as e:  # noqa: BLE001 - an injected fault, or what a killed rank left
             assert isinstance(e, InjectedFault | ray.exceptions.RayError | ValueError), e
             crashes += 1
-            assert crashes <= len(CRASHES), "a fault fired twice"
-    assert crashes == len(CRASHES)
+            assert crashes <= len(faults), "a fault fired twice"
+    assert crashes == len(faults)
     assert final_weights(ctx.store) == final_weights(reference.store)
     assert_records_complete(ctx.store)
+    evals = [
+        {k: v for k, v in r.items() if k.startswith("eval_")} for r in ctx.store.read_metrics()
+    ]
+    assert evals == [
+        {k: v for k, v in r.items() if k.startswith("eval_")}
+        for r in reference.store.read_metrics()
+    ]
+    assert [bool(e) for e in evals] == [False, False, True, False, False, True]
+    assert any(v for e in evals for k, v in e.items() if k != "eval_k")
     if name == "ppo":  # the critic's own checkpoints, beside the policy's
         critic = CriticStore(ctx.cfg.storage, ctx.run_name)
         assert critic.committed_checkpoints() == ctx.store.committed_checkpoints() == [2, 4, 6]
