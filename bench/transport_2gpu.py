@@ -110,13 +110,15 @@ def main(argv: list[str] | None = None) -> None:
 
     if not ray.is_initialized():
         ray.init(address="local", num_gpus=2, include_dashboard=False, namespace="prefect-rl")
-    rows = [
-        bench(size, bucket, args.dtype, args.repeats)
-        for size in args.sizes
-        for bucket in args.bucket_mb
-    ]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=2))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for size in args.sizes:
+        for bucket in args.bucket_mb:
+            rows.append(bench(size, bucket, args.dtype, args.repeats))
+            # Kept row by row: a run cut short by its time limit still reports what it measured.
+            out.write_text(json.dumps(rows, indent=2))
+            print(table(rows[-1:]), flush=True)
     print(table(rows))
     print(f"peer access cuda:0 -> cuda:1: {rows[0]['peer_access']}")
 
