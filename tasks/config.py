@@ -127,6 +127,12 @@ class RunConfig(BaseModel):
                 f"rollout.batch_size * rollout.n_samples_per_prompt = {n_seq} must be divisible "
                 f"by train.num_workers = {self.train.num_workers}; change one of them"
             )
+        critic_ranks = self.train.critic.num_workers  # PPO's critic: ranks of its own
+        if critic_ranks and n_seq % critic_ranks:
+            raise ValueError(
+                f"rollout.batch_size * rollout.n_samples_per_prompt = {n_seq} must be divisible "
+                f"by train.critic.num_workers = {critic_ranks}; change one of them"
+            )
         if self.placement.colocate:
             _check_colocation(self)
         elif self.weights.transport == "distributed":

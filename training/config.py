@@ -145,6 +145,16 @@ class CriticConfig(BaseModel):
     whiten_advantages: bool = Field(
         True, description="Normalise GAE advantages over the batch's response tokens"
     )
+    # The critic's ranks: its own group's resources (training.critic.critic_sections).
+    num_workers: int | None = Field(
+        None, ge=1, description="Critic ranks (FSDP2 when > 1); None: train.num_workers"
+    )
+    num_cpus_per_worker: float | None = Field(
+        None, gt=0, description="CPUs per critic rank; None: train.num_cpus_per_worker"
+    )
+    num_gpus_per_worker: float | None = Field(
+        None, ge=0, description="GPUs per critic rank; None: train.num_gpus_per_worker"
+    )
 
 
 class TrainConfig(BaseModel):

@@ -36,7 +36,7 @@ from training.actor import TrainActor, step_seed
 from training.advantages import gae_advantages, outcome_token_rewards, whiten
 from training.algorithm import shaped_rewards
 from training.batch import TrainBatch, build_train_batch, rank_micro_batches, rank_slice
-from training.config import LossConfig
+from training.config import LossConfig, TrainerSections
 from training.group import TrainGroup
 from training.losses import value_loss
 
@@ -211,9 +211,23 @@ class CriticActor(TrainActor):
         return self._all_reduce_sums(sums)
 
 
+RESOURCES = ("num_workers", "num_cpus_per_worker", "num_gpus_per_worker")
+
+
+def critic_sections(sections: TrainerSections) -> TrainerSections:
+    """What the critic's group is built from: the run's sections, with the rank
+    resources ``train.critic`` sets in place of the policy's (``train.*``)."""
+    critic = sections.train.critic
+    own = {k: getattr(critic, k) for k in RESOURCES if getattr(critic, k) is not None}
+    return sections.model_copy(update={"train": sections.train.model_copy(update=own)})
+
+
 class CriticGroup(TrainGroup):
     """The critic's ranks, built and recovered like the policy's train group from
-    the same ``RunIdentity`` and ``TrainerSections`` (``train.critic``)."""
+    the same ``RunIdentity`` and the critic's own sections (``critic_sections``)."""
+
+    def _own_sections(self, sections: TrainerSections) -> TrainerSections:
+        return critic_sections(sections)
 
     @property
     def pg_name(self) -> str:

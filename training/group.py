@@ -67,6 +67,7 @@ class TrainGroup:
         cannot forget it and have the ranks take devices of their own. ``fence`` is
         the caller's lease fence (None for readers): every checkpoint and weights
         commit of the ranks checks it, so a writer that lost the lease cannot commit."""
+        sections = self._own_sections(sections)
         self.identity, self.sections = identity, sections
         self.run_name, self.seed, self.namespace = identity.name, identity.seed, identity.namespace
         self.train_cfg, self.storage_cfg = sections.train, sections.storage
@@ -77,6 +78,10 @@ class TrainGroup:
     @property
     def world_size(self) -> int:
         return self.train_cfg.num_workers
+
+    def _own_sections(self, sections: TrainerSections) -> TrainerSections:
+        """What this group's ranks are built from (the critic's group: its own resources)."""
+        return sections
 
     @property
     def pg_name(self) -> str:

@@ -54,12 +54,14 @@ def _model_bytes(storage_cfg, run: str, k: int) -> bytes:
 
 
 def test_policy_step_uses_the_critics_advantages(ray_cluster, tiny_model, storage_cfg):
+    """The critic has ranks of its own (train.critic.num_workers): two beside one."""
     run = "ppo-step"
     _write_same_rollouts(storage_cfg, run, range(1, 2))
-    critic, policy = _groups(storage_cfg, run)
+    critic, policy = _groups(storage_cfg, run, critic={"lr": 1e-2, "num_workers": 2})
     try:
         critic.create(tiny_model)
         policy.create(tiny_model)
+        assert (len(critic.actors()), len(policy.actors())) == (2, 1)
         with pytest.raises(ray.exceptions.RayTaskError, match="run the critic's train\\(1\\)"):
             policy.train(1)  # the policy cannot run before the critic wrote rollout 1's advantages
         m_critic = critic.train(1)

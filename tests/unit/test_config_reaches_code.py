@@ -63,6 +63,9 @@ TRAINER_KEYS = {
     "train.critic.gamma",
     "train.critic.gae_lambda",
     "train.critic.whiten_advantages",
+    "train.critic.num_workers",
+    "train.critic.num_cpus_per_worker",
+    "train.critic.num_gpus_per_worker",
     "train.megatron.tensor_parallel",
     "train.megatron.pipeline_parallel",
     "model.dtype",
@@ -94,7 +97,16 @@ ELSEWHERE = {
 }
 # One allowed value: nothing to carry until a second one is added.
 ONE_CHOICE: set[str] = set()
-CRITIC_LEAVES = ("lr", "value_clip_eps", "gamma", "gae_lambda", "whiten_advantages")
+CRITIC_LEAVES = (
+    "lr",
+    "value_clip_eps",
+    "gamma",
+    "gae_lambda",
+    "whiten_advantages",
+    "num_workers",
+    "num_cpus_per_worker",
+    "num_gpus_per_worker",
+)
 # Keys whose non-default values are valid only with other settings (the
 # section's validators refuse settings of a loss kind that is not chosen).
 REQUIRES: dict[str, dict[str, Any]] = {
