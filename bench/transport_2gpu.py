@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    for size in args.sizes:
-        for bucket in args.bucket_mb:
+    for bucket in args.bucket_mb:  # every size at the first bucket size first: the default's
+        for size in args.sizes:
             rows.append(bench(size, bucket, args.dtype, args.repeats))
             # Kept row by row: a run cut short by its time limit still reports what it measured.
             out.write_text(json.dumps(rows, indent=2))
