@@ -21,12 +21,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout.config import RolloutConfig
-from rollout.datasets import BUILTIN_TASKS, PromptSource, load_prompts
+from rollout.datasets import BUILTIN_TASKS, LOADERS, PromptSource, load_prompts
 from rollout.procedure import GenerateGroups, generate_batch
 from rollout.types import Prompt
 
@@ -55,6 +56,18 @@ class EvalConfig(BaseModel):
     pass_threshold: float = Field(
         1.0, description="A sample passes when its reward is at least this"
     )
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_kind(cls, v: str | None) -> str | None:
+        # Checked at load: a typo would otherwise fail the first evaluation, hours in.
+        # (The file itself is read where the evaluation runs.)
+        if v is None or v in BUILTIN_TASKS or Path(v).suffix.lower() in LOADERS:
+            return v
+        raise ValueError(
+            f"eval.dataset {v!r} is neither a builtin task ({', '.join(BUILTIN_TASKS)}) nor a "
+            f"{' or '.join(LOADERS)} file; give one of those"
+        )
 
 
 def due(cfg: EvalConfig, k: int, last: int) -> bool:

@@ -45,6 +45,13 @@ def test_builtin_prompts_are_held_out_and_a_file_gives_its_first_rows(tmp_path):
     assert [(p.text, p.label) for p in rows] == [("0:", "0"), ("1:", "1"), ("2:", "2")]
 
 
+def test_an_unknown_dataset_is_refused_at_load():
+    from flows.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="eval.dataset 'revers' is neither a builtin task"):
+        load_config(None, {"eval.dataset": "revers", "eval.interval": 1})
+
+
 def test_greedy_and_sampled_scores():
     """The fake answers right in every sample of a group or in its even samples
     (by the group's seed); greedy asks one answer, which is always sample 0."""
