@@ -39,6 +39,7 @@ from engines.config import RAY_RESOURCES
 # Of a side's node resource per bundle: enough to pin it, small enough that a node
 # offering 1 unit holds up to 1,000 bundles (Ray keeps 4 decimals of a resource).
 NODE_SHARE = 0.001
+MAX_NAMED = 5  # lost nodes named in a message (a long-lived cluster collects many)
 
 
 def pinned(bundle: dict[str, float], resource: str | None) -> dict[str, float]:
@@ -57,20 +58,23 @@ def describe_node(node: dict) -> str:
 
 
 def unplaceable(resource: str | None) -> str:
-    """Why a bundle pinned to ``resource`` (None: any node) finds no room: the nodes
-    that offered it and are dead (a lost host), or that no alive node offers it."""
+    """Why a bundle pinned to ``resource`` (None: any node) finds no room: the lost
+    (dead) nodes of the cluster, and how many alive nodes offer the resource."""
     nodes = ray.nodes()
-
-    def offers(n: dict) -> bool:
-        return resource is None or resource in n.get("Resources", {})
-
-    lost = [n for n in nodes if not n.get("Alive") and offers(n)]
-    alive = [n for n in nodes if n.get("Alive") and offers(n)]
-    what = "any node" if resource is None else f"nodes offering resource {resource!r}"
+    # Ray forgets a dead node's resources, so every lost node is named: one of them
+    # was the host (its id is in the step records, e.g. a reload's pull.node).
+    lost = [n for n in nodes if not n.get("Alive")]
+    alive = [n for n in nodes if n.get("Alive") and (resource or "CPU") in n.get("Resources", {})]
     parts = []
     if lost:
-        parts.append(f"lost node(s) {', '.join(describe_node(n) for n in lost)} died")
-    parts.append(f"{len(alive)} alive {what}, too busy or too small")
+        named = ", ".join(describe_node(n) for n in lost[-MAX_NAMED:])
+        more = f" and {len(lost) - MAX_NAMED} earlier" if len(lost) > MAX_NAMED else ""
+        parts.append(f"lost node(s) {named}{more} died")
+    what = f"resource {resource!r}" if resource else "CPUs"
+    if alive:
+        parts.append(f"the {len(alive)} alive node(s) offering {what} are too busy or too small")
+    else:
+        parts.append(f"no alive node offers {what}")
     fix = (
         f"start a replacement with `ray start --address=<head> --resources='{{\"{resource}\": 1}}'`"
         if resource

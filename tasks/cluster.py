@@ -28,7 +28,7 @@ import uuid
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from engines.placement import describe_node
+from engines.placement import describe_node, unplaceable
 from tasks.config import ConfigError, RunConfig
 
 log = logging.getLogger("prefect_rl.cluster")
@@ -137,9 +137,8 @@ def shortfall(cfg: RunConfig, address: str, total: dict[str, float]) -> str | No
     for side, r in (("engines", cfg.engines.node_resource), ("train", cfg.train.node_resource)):
         if r and total.get(r, 0.0) <= 0:
             return (
-                f"no node of the Ray cluster at {address} offers resource {r!r}, which "
-                f"{side}.node_resource pins that side to; start its hosts with "
-                f"ray start --address={address} --resources='{{\"{r}\": 1}}', or unset "
+                f"{side}.node_resource pins that side to resource {r!r}, which no node of the "
+                f"Ray cluster at {address} offers: {unplaceable(r)}; or unset "
                 f"{side}.node_resource"
             )
     need, have = actor_gpus(cfg), total.get("GPU", 0.0)

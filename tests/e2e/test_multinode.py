@@ -1,6 +1,6 @@
-"""Past one machine: runs on a multi-node Ray cluster (a head and three worker
-nodes, each a real raylet; ``tests/e2e/ray_nodes.py``), driven by Prefect
-deployments on a process worker that joins it by ``ray.address``.
+"""Past one machine: runs on a multi-node Ray cluster (a head and worker nodes,
+each a real raylet; ``tests/e2e/ray_nodes.py``), driven by Prefect deployments
+on a process worker that joins it by ``ray.address``.
 
 "GPU host A" offers ``engine_host``, "GPU host B" offers ``train_host``;
 ``engines.node_resource`` / ``train.node_resource`` pin each side there. Every
@@ -11,9 +11,9 @@ after train[2] and a replacement host joins; the run heals (the engines'
 placement groups move, they pull into the new host's cache and restart) and
 ends byte-identical to a single-node run. The engines it leaves serve the
 reload-engines and verify-engines deployments. Then a ``distributed`` (gloo)
-run across hosts, and a ``disk`` run on a root host B does not share, refused
-naming that host. Few runs, small ones: the whole module is a handful of flow
-runs on a 2-core machine.
+run across hosts; refused, each naming its host: a side pinned to the lost host
+alone, and a ``disk`` run on a root host B does not share. Few runs, small
+ones: the module is a handful of runs on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def cluster(work):
     """Head (no CPUs: it only coordinates), host A (engines) and host B (trainer)."""
     nodes = RayNodes(work)
     try:
-        nodes.add("host-a", 1, {"engine_host": 1}, {work / "cache": work / "host-a" / "cache"})
+        own = {"engine_host": 1, "host_a": 1}  # host_a: a side pinned to this host alone
+        nodes.add("host-a", 1, own, {work / "cache": work / "host-a" / "cache"})
         nodes.add(
             "host-b",
             1,
@@ -230,6 +231,14 @@ def test_distributed_broadcast_across_hosts(cluster, healed_run, work):
     assert out.returncode == 0, out.stderr[-3000:]
     store = RunStore(load_config(BASE, over).storage, "mn-dist")
     assert store.read_record(1, "verify-e0")["result"]["served"] == "1"
+
+
+def test_a_side_pinned_to_the_lost_host_alone_is_refused_naming_it(cluster, healed_run, work):
+    (lost,) = {p["node"] for p in pulls(healed_run, 1)}  # host A, which died
+    out = run_plain_cli(pinned(cluster, work, "mn-lost", **{"engines.node_resource": "host_a"}))
+    assert out.returncode != 0
+    assert f"lost node(s) {lost[:12]}" in out.stderr, out.stderr[-3000:]
+    assert "no alive node offers resource 'host_a'" in out.stderr
 
 
 def test_disk_transport_on_a_root_one_host_does_not_share_is_refused(cluster, work):
