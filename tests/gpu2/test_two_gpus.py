@@ -39,9 +39,7 @@ def test_distributed_broadcasts_over_nccl_from_a_trainer_gpu_to_an_engine_gpu(
     ray_cluster, tmp_path
 ):
     with kept_run("nccl-broadcast", str(tmp_path / "runs")) as (ctx, rows):
-        assert [r["iteration"] for r in rows] == [1, 2, 3]
-        check_verified_every_iteration(ctx, 3, engines=1)
-        assert 1 not in ctx.store.committed_versions()  # v1 reached the engine by broadcast only
+        check_verified_every_iteration(ctx, rows, engines=1)  # v1 went by broadcast only
         rank0, engine = ctx.trainer().actors()[0], ctx.engines().handle(0)
         train_dev, engine_dev = device_of(rank0), engine_devices(engine)
         print(f"devices: trainer {train_dev}, engine {engine_dev}")
@@ -53,9 +51,7 @@ def test_distributed_broadcasts_over_nccl_from_a_trainer_gpu_to_an_engine_gpu(
 
 def test_two_fsdp_ranks_feed_an_engine_spanning_both_gpus(ray_cluster, tmp_path):
     with kept_run("fsdp2-tp2-engine", str(tmp_path / "runs")) as (ctx, rows):
-        assert [r["iteration"] for r in rows] == [1, 2, 3]
-        check_verified_every_iteration(ctx, 3, engines=1)
-        assert 1 not in ctx.store.committed_versions()
+        check_verified_every_iteration(ctx, rows, engines=1)
         train_devs = [device_of(a) for a in ctx.trainer().actors()]
         ranks = engine_devices(ctx.engines().handle(0))
         print(f"devices: train ranks {train_devs}, engine ranks {ranks}")
@@ -65,9 +61,7 @@ def test_two_fsdp_ranks_feed_an_engine_spanning_both_gpus(ray_cluster, tmp_path)
 
 def test_two_fsdp_ranks_feed_two_colocated_engines(ray_cluster, tmp_path):
     with kept_run("fsdp2-two-engines", str(tmp_path / "runs")) as (ctx, rows):
-        assert [r["iteration"] for r in rows] == [1, 2, 3]
-        check_verified_every_iteration(ctx, 3, engines=2)
-        assert 1 not in ctx.store.committed_versions()
+        check_verified_every_iteration(ctx, rows, engines=2)
         train_devs = [device_of(a) for a in ctx.trainer().actors()]
         engines = [engine_devices(ctx.engines().handle(e))[0] for e in (0, 1)]
         print(f"devices: train ranks {train_devs}, engines {engines}")

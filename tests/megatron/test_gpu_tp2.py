@@ -153,8 +153,7 @@ def test_tp2_float32_logits_and_grpo_step_match(ray_cluster, qwen2_dir, tmp_path
 
 def test_tp2_megatron_rl_run(ray_cluster, tmp_path):
     with kept_run("megatron-tp2", str(tmp_path / "runs")) as (ctx, rows):
-        assert [r["iteration"] for r in rows] == [1, 2]
-        check_verified_every_iteration(ctx, 2, engines=1)
+        check_verified_every_iteration(ctx, rows, engines=1)
         assert ctx.store.committed_checkpoints() == [1, 2]
         train_devs = [device_of(a) for a in ctx.trainer().actors()]
         engine = engine_devices(ctx.engines().handle(0))
