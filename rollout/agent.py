@@ -307,3 +307,42 @@ def _sample(e: _Episode) -> Sample:
 def transcript(turns: list[Turn]) -> str:
     """The turns as one line for logs and the UI: ``?3+4 → :7. → 7``."""
     return " → ".join(t.text for t in turns)
+
+
+def tool_use(samples: list[Sample], environment: str) -> dict[str, float | int | None]:
+    """How a multi-turn batch used its tools (the rollout step's ``tools`` result).
+
+    ``calls`` / ``bad_calls``: well-formed and malformed calls (an observation in
+    the environment's ``errors``); ``call_rate``: the fraction of samples with a
+    well-formed call; ``correct``: samples with the full score (reward >= 1);
+    ``correct_after_call``: of those, how many made a well-formed call. A
+    measurement only: no reward depends on it."""
+    errors = make_environment(environment).errors
+    calls = bad = with_call = correct = correct_after = 0
+    for s in samples:
+        observations = [t.text for t in s.turns if t.role == "tool"]
+        n_bad = sum(o in errors for o in observations)
+        good = len(observations) - n_bad
+        calls, bad, with_call = calls + good, bad + n_bad, with_call + (good > 0)
+        if s.reward >= 1.0:
+            correct += 1
+            correct_after += good > 0
+    return {
+        "calls": calls,
+        "bad_calls": bad,
+        "call_rate": with_call / len(samples) if samples else 0.0,
+        "correct": correct,
+        "correct_after_call": correct_after,
+    }
+
+
+def tool_row_fields(tools: dict[str, Any] | None) -> dict[str, Any]:
+    """The metrics row's tool columns from the rollout's ``tools`` result ({} when single-turn)."""
+    if not tools:
+        return {}
+    correct = tools["correct"]
+    return {
+        "tool_call_rate": tools["call_rate"],
+        # of the answers with the full score, the fraction that followed a well-formed call
+        "tool_correct_after_call": tools["correct_after_call"] / correct if correct else None,
+    }

@@ -31,7 +31,12 @@ class Transition:
 
 
 class Environment(Protocol):
-    """One episode's world. ``reset`` once, then ``step`` per model turn until done."""
+    """One episode's world. ``reset`` once, then ``step`` per model turn until done.
+
+    ``errors``: the observations that answer a malformed call; any other
+    observation answers a well-formed one (the tool-use metrics count them)."""
+
+    errors: frozenset[str]
 
     def reset(self, prompt: Prompt) -> None: ...
 

@@ -20,7 +20,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from rollout import dynamic_sampling, rewards
-from rollout.agent import TurnEngines, run_episodes
+from rollout.agent import TurnEngines, run_episodes, tool_use
 from rollout.config import RolloutConfig
 from rollout.datasets import PromptSource, encode_prompt
 from rollout.failures import FailureLog, VersionMismatch
@@ -204,8 +204,11 @@ def _scored(
     return [replace(s, reward=s.reward + float(r)) for s, r in zip(samples, scores)]
 
 
-def summary(batch: RolloutBatch, gen_s: float | None, reused: bool) -> dict[str, Any]:
-    """The rollout step's ledger result (keys as persisted since the first ledgers)."""
+def summary(
+    batch: RolloutBatch, gen_s: float | None, reused: bool, environment: str = "none"
+) -> dict[str, Any]:
+    """The rollout step's ledger result (keys as persisted since the first ledgers);
+    multi-turn (``environment``) adds how the batch used its tools."""
     rewards = batch.rewards
     tokens = sum(len(s.response_ids) for s in batch.samples)
     return {
@@ -220,6 +223,7 @@ def summary(batch: RolloutBatch, gen_s: float | None, reused: bool) -> dict[str,
         "example": batch.samples[0].response_text if batch.samples else "",
         "failures": _failure_counts(batch),
         "sampling": dynamic_sampling.counts(batch),  # hook: DAPO dynamic sampling's record
+        "tools": tool_use(batch.samples, environment) if environment != "none" else None,
     }
 
 

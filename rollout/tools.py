@@ -51,6 +51,8 @@ def evaluate(expr: str) -> int:
 class CalculatorEnv:
     """One episode with a calculator: calls get their value, an answer ends it."""
 
+    errors = frozenset({BAD_CALL})
+
     def __init__(self) -> None:
         self._answer = ""
 

@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any
 
+from rollout.agent import tool_row_fields
 from rollout.evaluation import row_fields
 from rollout.procedure import VersionMismatch, generate_batch, summary
 from rollout.types import RolloutBatch
@@ -71,7 +72,8 @@ def _rollout_saved(ctx, k: int) -> Result | None:
     if saved is None:
         return None
     # generated before a crash: replay, never regenerate
-    return summary(RolloutBatch.from_json(saved), gen_s=None, reused=True)
+    env = ctx.cfg.rollout.environment
+    return summary(RolloutBatch.from_json(saved), gen_s=None, reused=True, environment=env)
 
 
 def rollout_source(ctx, k: int) -> int:
@@ -111,7 +113,7 @@ def _generate(ctx, k: int, engine_id: int | None) -> Result:
             io=io,
         )
     ctx.store.write_rollouts(k, out.batch.to_json())
-    return summary(out.batch, gen_s=out.gen_s, reused=False)
+    return summary(out.batch, gen_s=out.gen_s, reused=False, environment=cfg.rollout.environment)
 
 
 # -- train, save, publish ------------------------------------------------------
@@ -266,6 +268,7 @@ def _finish(ctx, k: int, engine_id: None, results: dict[str, Result]) -> Result:
         "reload_s": max((x.get("reload_s") or 0.0 for x in reloads), default=0.0),
         "example": r.get("example"),
         **row_fields(results.get("evaluate")),
+        **tool_row_fields(r.get("tools")),
     }
     ctx.store.append_metrics(k, row)
     # Before the iteration's commit; a tracker skips an iteration it already holds.

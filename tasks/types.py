@@ -39,6 +39,8 @@ class RolloutResult(StepResult):
     failures: dict[str, int] | None = None
     # rollout.dynamic_sampling: {rounds, prompts, dropped_groups, filled_uniform}; None when off
     sampling: dict[str, int] | None = None
+    # multi-turn: {calls, bad_calls, call_rate, correct, correct_after_call} (rollout.agent.tool_use)
+    tools: dict[str, float | int | None] | None = None
 
 
 class TrainResult(StepResult):
@@ -119,3 +121,6 @@ class IterationRow(StepResult):
     eval_pass_at_1: float | None = None
     eval_pass_at_k: float | None = None
     eval_k: int | None = None
+    # Set only for multi-turn rollouts (rollout.agent.tool_row_fields).
+    tool_call_rate: float | None = None
+    tool_correct_after_call: float | None = None

@@ -10,6 +10,7 @@ import pytest
 
 from flows.config import load_config
 from flows.driver import run_plain
+from rollout.agent import tool_use
 from rollout.types import RolloutBatch
 from tests.e2e.test_faults import ITERATIONS, assert_records_complete, final_weights, overrides
 
@@ -31,6 +32,13 @@ def test_reward_goes_up_on_the_tool_task(ray_cluster, tmp_path):
     for s in batch.samples:
         model = sum(len(t.ids) for t in s.turns if t.role == "model")
         assert sum(s.loss_mask) == model and len(s.loss_mask) == len(s.response_ids)
+    # Each metrics row shows how its batch used the tool, as the persisted batch has it.
+    # (Measured only: this tiny model's reward rises by answering directly, not by calling.)
+    tools = ctx.store.read_record(20, "rollout")["result"]["tools"]
+    assert tools == tool_use(batch.samples, "calculator")
+    assert rows[-1]["tool_call_rate"] == tools["call_rate"]
+    print("tool_call_rate per iteration:", [round(r["tool_call_rate"], 3) for r in rows])
+    print("reward_mean per iteration:", [round(r, 3) for r in rewards])
 
 
 def test_a_dead_engine_and_a_crash_resume_byte_identical(ray_cluster, tmp_path):

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from rollout.agent import tool_row_fields, tool_use
 from rollout.config import RolloutConfig
 from rollout.environments import make_environment
 from rollout.tools import BAD_CALL, evaluate, parse_call
-from rollout.types import Prompt
+from rollout.types import Prompt, Sample, Turn
 
 
 @pytest.mark.parametrize(
@@ -42,3 +43,34 @@ def test_an_episode_calls_then_answers_and_bad_calls_are_observations():
 def test_unknown_environment_is_refused_at_load():
     with pytest.raises(ValueError, match="rollout.environment 'shell' is not a builtin"):
         RolloutConfig(environment="shell")
+
+
+def _episode(reward: float, *texts: str) -> Sample:
+    """A sample whose turns alternate model, tool, model, ... (the texts in order)."""
+    turns = [
+        Turn(role="model" if i % 2 == 0 else "tool", ids=[0], text=t) for i, t in enumerate(texts)
+    ]
+    return Sample(0, 0, [1], [0] * len(turns), [0.0] * len(turns), reward, 0, "stop", turns=turns)
+
+
+def test_tool_use_counts_well_formed_calls_and_the_correct_answers_after_them():
+    samples = [
+        _episode(1.0, "?3+4", ":7.", "7"),  # called, then answered right
+        _episode(1.0, "7"),  # answered right without the tool
+        _episode(0.5, "?3+", BAD_CALL, "?3+4", ":7.", "17"),  # one bad call, one good
+        _episode(0.0, "?+", BAD_CALL, "1"),  # only a bad call
+    ]
+    tools = tool_use(samples, "calculator")
+    assert tools == {
+        "calls": 2,
+        "bad_calls": 2,
+        "call_rate": 0.5,
+        "correct": 2,
+        "correct_after_call": 1,
+    }
+    assert tool_row_fields(tools) == {"tool_call_rate": 0.5, "tool_correct_after_call": 0.5}
+    assert (
+        tool_row_fields({**tools, "correct": 0, "correct_after_call": 0})["tool_correct_after_call"]
+        is None
+    )
+    assert tool_row_fields(None) == {}  # single-turn rows get no tool columns
