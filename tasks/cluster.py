@@ -242,16 +242,18 @@ def check_shared_root(cfg: RunConfig) -> None:
             ).remote(path)
             for n in nodes
         ]
-        seen = ray.get(refs, timeout=PROBE_TIMEOUT_S)
+        _, late = ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
+        seen = [r not in late and ray.get(r) for r in refs]
     finally:
         os.unlink(path)
     blind = [n for n, ok in zip(nodes, seen) if not ok]
     if blind:
         names = ", ".join(describe_node(n) for n in blind)
+        ray.shutdown()  # as check_cpus: a refused run leaves no Ray connection behind
         raise ConfigError(
             f"storage.root {cfg.storage.root!r} is a local path, but Ray node(s) {names}, "
             f"which may host engines or train ranks, do not see it (a probe file written "
-            f"here is missing there): with weights.transport {cfg.weights.transport!r} every "
+            f"here is missing there, or the probe got no answer in {PROBE_TIMEOUT_S:g}s): with weights.transport {cfg.weights.transport!r} every "
             "node reads and writes the run's versions and checkpoints there. Mount one "
             "shared filesystem at that path on every node (NFS, Lustre, a shared volume), "
             "or use an object store: storage.root: s3://bucket/prefix with weights.transport: "
