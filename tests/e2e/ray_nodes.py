@@ -100,6 +100,22 @@ class RayNodes:
             script = " && ".join([*mounts, "exec " + shlex.join(cmd)])
             # --propagation private: the binds stay inside this node's namespace.
             cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", script]
-        proc = spawn(cmd, env, log)
-        self.procs[name] = proc
-        _wait(lambda: "Ray runtime started" in log.read_text(), f"ray node {name}", 120, proc, log)
+        # Ray gives a new raylet 30 s (fixed) to register with the GCS; on a loaded
+        # 2-core machine that can pass ("The current node timed out during startup").
+        # A node that exits that way is started again, twice at most.
+        for attempt in range(3):
+            proc = spawn(cmd, env, log)
+            self.procs[name] = proc
+            try:
+                _wait(
+                    lambda: "Ray runtime started" in log.read_text(),
+                    f"ray node {name}",
+                    120,
+                    proc,
+                    log,
+                )
+                return
+            except RuntimeError as e:
+                stop(proc)
+                if attempt == 2 or "timed out during startup" not in str(e):
+                    raise
