@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout.config import RolloutConfig
 from rollout.datasets import BUILTIN_TASKS, LOADERS, PromptSource, load_prompts
-from rollout.procedure import GenerateGroups, generate_batch
+from rollout.procedure import GenerateGroups, RolloutIO, generate_batch
 from rollout.types import Prompt
 
 # Builtin tasks derive a prompt from its index: evaluation's start past the
@@ -100,8 +100,10 @@ def evaluate(
     tokenizer: Any,
     generate_groups: GenerateGroups,
     restart: Callable[[int], None],
+    io: RolloutIO | None = None,
 ) -> dict[str, Any]:
-    """Evaluate weights ``version`` after iteration k: the evaluate step's result."""
+    """Evaluate weights ``version`` after iteration k: the evaluate step's result.
+    ``io``: the engines' HTTP API and scoring, as rollout k's (multi-turn needs it)."""
     prompts = eval_prompts(cfg, rollout, seed)
     t0 = time.perf_counter()
 
@@ -111,7 +113,7 @@ def evaluate(
             update={"temperature": temperature, "n_samples_per_prompt": n}
         )
         out = generate_batch(
-            settings, seed, k, version, tokenizer, generate_groups, restart, prompts=prompts
+            settings, seed, k, version, tokenizer, generate_groups, restart, prompts=prompts, io=io
         )
         ok = [s.reward >= cfg.pass_threshold for s in out.batch.samples]
         return [sum(ok[i : i + n]) for i in range(0, len(ok), n)]

@@ -14,6 +14,7 @@ from typing import Any
 from rollout.evaluation import due, evaluate
 from tasks import colocate
 from tasks.engines import ensure_engine_serves, target_version, transport_for
+from tasks.rollout_services import rollout_io
 from tasks.runner import Step
 from tasks.types import EvalResult
 
@@ -42,9 +43,10 @@ def _evaluate(ctx, k: int, engine_id: int | None) -> dict[str, Any]:
 
     cfg = ctx.cfg
     tokenizer = _tokenizer(ctx.base_model_path)
-    return evaluate(
-        cfg.eval, cfg.rollout, cfg.run.seed, k, v, tokenizer, group.generate_groups, restart
-    )
+    with rollout_io(ctx, group, k, restart, persist=False) as io:  # multi-turn: HTTP turns
+        return evaluate(
+            cfg.eval, cfg.rollout, cfg.run.seed, k, v, tokenizer, group.generate_groups, restart, io
+        )
 
 
 EVALUATE = Step(

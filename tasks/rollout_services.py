@@ -142,20 +142,28 @@ def ray_scorer(cfg: RolloutConfig, timeout_s: float | None) -> Scorer | None:
 
 
 @contextmanager
-def rollout_io(ctx: Any, group: Any, k: int, restart: Callable[[int], None]) -> Iterator[RolloutIO]:
-    """The engines' HTTP API, reward scoring and the failure log of rollout k."""
+def rollout_io(
+    ctx: Any, group: Any, k: int, restart: Callable[[int], None], persist: bool = True
+) -> Iterator[RolloutIO]:
+    """The engines' HTTP API, reward scoring and the failure log of rollout k.
+    ``persist=False`` (evaluation): the failure log is kept in memory only, so it
+    never touches rollout k's ledger record."""
     cfg = ctx.cfg.rollout
     score = ray_scorer(cfg, ctx.cfg.tasks.timeout_s)
     if cfg.environment == "none":
         yield RolloutIO(score=score)
         return
     store = ctx.store
-    failures = FailureLog(
-        cfg.failures,
-        k,
-        cfg.batch_size,
-        persisted=store.read_record(k, FAILURES_RECORD),
-        persist=lambda record: store.write_record(k, FAILURES_RECORD, record, overwrite=True),
+    failures = (
+        FailureLog(
+            cfg.failures,
+            k,
+            cfg.batch_size,
+            persisted=store.read_record(k, FAILURES_RECORD),
+            persist=lambda record: store.write_record(k, FAILURES_RECORD, record, overwrite=True),
+        )
+        if persist
+        else None  # generate_batch keeps one in memory
     )
     ids = list(range(ctx.cfg.engines.num_engines))
     turns = EngineTurns(lambda i: engine_client(ctx, group, i), ids, group.is_alive, restart)

@@ -20,8 +20,16 @@ BASE = "configs/tiny-tool.yaml"
 
 
 def test_reward_goes_up_on_the_tool_task(ray_cluster, tmp_path):
-    cfg = load_config(BASE, {"storage.root": str(tmp_path), "run.name": "tool-learn"})
+    # Evaluated at iterations 10 and 20: multi-turn episodes through the engines' HTTP API.
+    evaluate = {
+        "eval.interval": 10,
+        "eval.size": 8,
+        "eval.n_samples": 2,
+        "eval.pass_threshold": 0.5,
+    }
+    cfg = load_config(BASE, {"storage.root": str(tmp_path), "run.name": "tool-learn", **evaluate})
     ctx, rows, _ = run_plain(cfg, quiet=True)
+    assert [r["iteration"] for r in rows if r.get("eval_pass_at_1") is not None] == [10, 20]
     rewards = [r["reward_mean"] for r in rows]
     assert len(rewards) == cfg.run.iterations == 20
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
