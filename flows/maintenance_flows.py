@@ -209,6 +209,13 @@ def gc_versions_flow(params: GcParams) -> dict[str, Any]:
         log.info("kept v%s beyond keep_last: %s", v, why)
     if report["removed_debris"]:
         log.info("removed unfinished writes: %s", report["removed_debris"])
+    if "critic" in report:  # PPO: the critic's checkpoints follow the same keep_last
+        critic = report["critic"]
+        log.info(
+            "PPO critic: deleted checkpoints %s; kept checkpoints %s",
+            critic["deleted_checkpoints"],
+            critic["kept_checkpoints"],
+        )
     return report
 
 

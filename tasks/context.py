@@ -39,6 +39,18 @@ class RunContext:
     def store(self) -> RunStore:
         return RunStore(self.cfg.storage, self.cfg.run.name, fence=self.fence)
 
+    def gc(self, keep_last: int) -> dict:
+        """Retention over the run: versions and checkpoints beyond the last
+        ``keep_last`` (never one an engine serves), and PPO's critic checkpoints
+        alike. What was deleted and kept, as the gc-versions flow logs it."""
+        report = self.store.gc(keep_last).model_dump()
+        if self.cfg.train.loss.advantage == "gae":
+            from training.critic import CriticStore
+
+            critic = CriticStore(self.cfg.storage, self.run_name, fence=self.fence)
+            report["critic"] = critic.gc(keep_last).model_dump()
+        return report
+
     def placement(self):  # -> engines.placement.SharedPlacement | None
         """The shared placement group of a colocated run; None when disaggregated."""
         if not self.cfg.placement.colocate:

@@ -90,5 +90,4 @@ def publish_checkpoint(ctx: RunContext, k: int) -> dict[str, Any]:
     cache_policy=NO_CACHE,
 )
 def collect_garbage(ctx: RunContext, keep_last: int) -> dict[str, Any]:
-    report = ctx.store.gc(keep_last)
-    return report.model_dump() if hasattr(report, "model_dump") else dict(report.__dict__)
+    return ctx.gc(keep_last)

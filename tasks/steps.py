@@ -274,13 +274,7 @@ def _finish(ctx, k: int, engine_id: None, results: dict[str, Result]) -> Result:
     # Before the iteration's commit; a tracker skips an iteration it already holds.
     tracking.log_iteration(ctx.cfg, k, row)
     if ctx.cfg.storage.keep_last:
-        ctx.store.gc(ctx.cfg.storage.keep_last)
-        if ctx.cfg.train.loss.advantage == "gae":  # PPO: the critic's checkpoints too
-            from training.critic import CriticStore
-
-            CriticStore(ctx.cfg.storage, ctx.run_name, fence=ctx.fence).gc(
-                ctx.cfg.storage.keep_last
-            )
+        ctx.gc(ctx.cfg.storage.keep_last)  # PPO: the critic's checkpoints too
     return row
 
 
