@@ -3,7 +3,10 @@ Ray actor killed, (c) the flow process SIGKILLed and a new run started. Every
 run finishes with final weights byte-identical to an uninterrupted run's, and no
 committed record is lost or duplicated. (a) and (b) share one faulted run: each
 fault sits at a (step, iteration) of its own, so every one is healed by its
-step's own retries; (c) needs a process per fault."""
+step's own retries; (c) needs a process per fault. More rows live beside their
+own fixtures: (d) a lost Ray node (tests/e2e/test_multinode.py), a pipelined
+run (test_pipeline.py), each algorithm (test_algorithms.py) and multi-turn
+rollouts (test_agentic.py)."""
 
 from __future__ import annotations
 
