@@ -47,6 +47,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from prefect.utilities.annotations import quote
+
 from storage.fs import is_local
 from tasks import plan, rl_tasks, steps
 from tasks.context import RunContext
@@ -57,15 +59,28 @@ def run_iteration(ctx: RunContext, k: int) -> dict[str, Any]:
     node id (``train@3``, ``reload-e0@3``, ...) and the metrics row as ``row``."""
 
     def start(node: plan.Node, done: dict[str, Any]):
-        task = _opts(ctx, rl_tasks.TASKS[node.step.name], audit=node.step.audit)
+        task = _opts(ctx, node.step.name, audit=node.step.audit)
         per_engine = {"engine_id": node.engine_id} if node.step.per_engine else {}
-        return task.submit(ctx, node.k, **per_engine, **plan.node_inputs(node, done))
+        # quote(): Prefect would otherwise walk the whole RunContext (its config) and
+        # the upstream results twice per task run looking for futures; they hold none.
+        inputs = {name: quote(value) for name, value in plan.node_inputs(node, done).items()}
+        return task.submit(quote(ctx), node.k, **per_engine, **inputs)
 
     results = plan.walk(plan.iteration_plan(ctx, k), start)
     return {**results, "row": results[f"{steps.FINISH.key()}@{k}"]}
 
 
-def _opts(ctx: RunContext, t, audit: bool):
+def _opts(ctx: RunContext, step: str, audit: bool):
+    """The step's task with the run's policy, built once per run and step
+    (``with_options`` builds a whole new Task, ~1 ms a call)."""
+    policy = ctx.cfg.tasks
+    key = (ctx.store.url, policy.model_dump_json(), step)
+    if key not in _optioned:
+        _optioned[key] = _with_policy(ctx, rl_tasks.TASKS[step], audit)
+    return _optioned[key]
+
+
+def _with_policy(ctx: RunContext, t, audit: bool):
     policy = ctx.cfg.tasks
     return t.with_options(
         retries=policy.retries,
@@ -104,3 +119,4 @@ def result_storage(ctx: RunContext):
 
 
 _saved_storage: dict[str, object] = {}
+_optioned: dict[tuple[str, str, str], object] = {}
