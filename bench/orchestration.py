@@ -91,6 +91,7 @@ def main() -> None:
         "storage.root": root,
         "run.iterations": 3 * n,
         "run.save_interval": 1000,
+        "storage.keep_last": 2,  # a published version per iteration: bounded on disk
         **dict(parse_override(s) for s in args.set),
     }
     cfg = load_config(args.config, overrides)

@@ -88,6 +88,8 @@ def main() -> None:
     overrides = {
         "storage.root": tempfile.mkdtemp(prefix="bench-pipe-"),
         "run.save_interval": 1,  # every iteration saves: the async save is on trial too
+        # 0.5B: 3 GB of checkpoint and 1 GB of weights per iteration would fill the disk
+        "storage.keep_last": 2,
         **dict(parse_override(s) for s in args.set),
     }
     rows = [run_one(args.config, overrides, s, args.iterations) for s in args.staleness]
