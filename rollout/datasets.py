@@ -38,10 +38,19 @@ def _add_task(seed: int, index: int) -> Prompt:
     return Prompt(index=index, text=f"{a}+{b}=", label=str(a + b))
 
 
+def _add2_task(seed: int, index: int) -> Prompt:
+    # Two-digit operands: 8100 sums, more than the tiny model memorises in a short
+    # run, so the calculator (rollout.environment: calculator) is the way to the answer.
+    rng = random.Random(f"add2/{seed}/{index}")
+    a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+    return Prompt(index=index, text=f"{a}+{b}=", label=str(a + b))
+
+
 BUILTIN_TASKS: dict[str, Callable[[int, int], Prompt]] = {
     "reverse": _reverse_task,
     "copy": _copy_task,
     "add": _add_task,
+    "add2": _add2_task,
 }
 
 

@@ -30,6 +30,7 @@ log = logging.getLogger("prefect_rl.prepare")
 FROZEN_KEYS = (
     "run.seed",
     "model.path",
+    "model.warm_start",
     "rollout.task",
     "rollout.reward",
     "rollout.batch_size",
@@ -37,6 +38,12 @@ FROZEN_KEYS = (
     "train.backend",
     "train.num_workers",
 )
+
+
+# model.warm_start: calculator: supervised steps, and the version of what they learn
+# from (bump it when rollout.tools.demonstrations or the steps change: the cache).
+WARM_START_STEPS = 400
+WARM_START_VERSION = 1
 
 
 def base_model_path(cfg: RunConfig) -> str:
@@ -51,12 +58,17 @@ def base_model_path(cfg: RunConfig) -> str:
                 "unset for the tiny model"
             )
         return str(p.resolve())
-    from training.tiny_model import write_tiny_model
+    from rollout.tools import demonstrations
+    from training.tiny_model import WARM_START_BATCH, write_tiny_model
 
-    out = Path(os.path.expanduser("~/.cache/prefect-rl")) / f"tiny-model-seed{cfg.run.seed}"
+    name, demos = f"tiny-model-seed{cfg.run.seed}", []
+    if cfg.model.warm_start == "calculator":  # the name changes whenever the demonstrations do
+        name += f"-calculator-v{WARM_START_VERSION}"
+        demos = demonstrations(WARM_START_STEPS * WARM_START_BATCH, cfg.run.seed)
+    out = Path(os.path.expanduser("~/.cache/prefect-rl")) / name
     if not (out / "model.safetensors").is_file():
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        write_tiny_model(tmp, seed=cfg.run.seed)
+        write_tiny_model(tmp, seed=cfg.run.seed, demonstrations=demos)
         os.replace(tmp, out) if not out.exists() else None
     return str(out)
 

@@ -235,6 +235,21 @@ class ModelConfig(BaseModel):
         None, description="Local HF checkpoint directory; None builds the tiny model offline"
     )
     dtype: Literal["float32", "bfloat16"] = "float32"
+    warm_start: Literal["none", "calculator"] = Field(
+        "none",
+        description="The tiny model only (path unset): calculator: a few hundred supervised "
+        "steps on calculator demonstrations built offline (rollout.tools.demonstrations: "
+        "a few show the call, most how to read its result or answer directly) before RL",
+    )
+
+    @model_validator(mode="after")
+    def _check_warm_start(self) -> ModelConfig:
+        if self.warm_start != "none" and self.path:
+            raise ValueError(
+                f"model.warm_start {self.warm_start!r} builds the tiny model, but model.path is "
+                "set; unset model.path, or set model.warm_start: none"
+            )
+        return self
 
 
 class WeightsConfig(BaseModel):

@@ -2,11 +2,14 @@
 character-level tokenizer built offline by the ``tokenizers`` library.
 
 Both are saved as a normal HF directory, so every other part of prefect-rl
-treats it exactly like any local HF checkpoint. Nothing is downloaded.
+treats it exactly like any local HF checkpoint. Nothing is downloaded. A
+warm-started variant (``model.warm_start``) is trained a few hundred supervised
+steps on demonstrations built offline before it is saved.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -54,14 +57,72 @@ def tiny_llama_config(vocab_size: int) -> LlamaConfig:
     )
 
 
-def write_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the tiny model and tokenizer to ``out_dir`` as an HF directory."""
+# (role, text, trained) segments of one demonstration; rollout.tools.Segment.
+Demonstration = Sequence[tuple[str, str, bool]]
+WARM_START_BATCH = 64
+WARM_START_LR = 3e-3
+
+
+def write_tiny_model(
+    out_dir: str | Path, seed: int = 0, demonstrations: Sequence[Demonstration] = ()
+) -> Path:
+    """Write the tiny model and tokenizer to ``out_dir`` as an HF directory,
+    warm-started on ``demonstrations`` when there are any."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config(len(tokenizer)))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if demonstrations:
+        warm_start(model, tokenizer, demonstrations)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+def encode_demonstration(
+    tokenizer: PreTrainedTokenizerFast, demo: Demonstration
+) -> tuple[list[int], list[int]]:
+    """A demonstration's ids (bos first, eos after each model turn) and its loss mask."""
+    ids, mask = [tokenizer.bos_token_id], [0]
+    for role, text, trained in demo:
+        seg = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if role == "model":
+            seg.append(tokenizer.eos_token_id)
+        ids += seg
+        mask += [int(trained and role == "model")] * len(seg)
+    return ids, mask
+
+
+def warm_start(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    demonstrations: Sequence[Demonstration],
+) -> float:
+    """Supervised steps (AdamW, WARM_START_BATCH demonstrations each, in order) on
+    the trained tokens' next-token loss; returns the last step's loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=WARM_START_LR, weight_decay=0.0, foreach=False)
+    model.train()
+    loss = torch.zeros(())
+    for start in range(0, len(demonstrations), WARM_START_BATCH):
+        rows = [
+            encode_demonstration(tokenizer, d)
+            for d in demonstrations[start : start + WARM_START_BATCH]
+        ]
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        mask = torch.zeros((len(rows), width), dtype=torch.float32)
+        for r, (row_ids, row_mask) in enumerate(rows):
+            ids[r, : len(row_ids)] = torch.tensor(row_ids)
+            attn[r, : len(row_ids)] = 1
+            mask[r, : len(row_mask)] = torch.tensor(row_mask, dtype=torch.float32)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        loss = -(lp * mask[:, 1:]).sum() / mask[:, 1:].sum().clamp(min=1.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return float(loss.detach())

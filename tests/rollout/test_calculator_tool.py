@@ -8,7 +8,7 @@ import pytest
 from rollout.agent import tool_row_fields, tool_use
 from rollout.config import RolloutConfig
 from rollout.environments import make_environment
-from rollout.tools import BAD_CALL, evaluate, parse_call
+from rollout.tools import BAD_CALL, DEMO_CALLS, DEMO_READS, demonstrations, evaluate, parse_call
 from rollout.types import Prompt, Sample, Turn
 
 
@@ -21,7 +21,7 @@ def test_calls_parse_and_evaluate(text, expr, value):
     assert evaluate(expr) == value
 
 
-@pytest.mark.parametrize("text", ["?", "?3+", "?+3", "?3++4", "?3*4", "?a", "?1234567", "?3+4 5"])
+@pytest.mark.parametrize("text", ["?3+", "?+3", "?3++4", "?3*4", "?a", "?1234567", "?3+4 5"])
 def test_malformed_calls_are_refused_by_the_grammar(text):
     with pytest.raises(ValueError, match="not a calculator expression"):
         parse_call(text)
@@ -38,6 +38,37 @@ def test_an_episode_calls_then_answers_and_bad_calls_are_observations():
     end = env.step(" 7")
     assert (end.observation, end.done) == ("", True)
     assert env.answer == "7"
+
+
+def test_a_bare_call_asks_the_question_itself():
+    assert parse_call(" ? ") == ""
+    env = make_environment("calculator")
+    env.reset(Prompt(index=0, text="37+45=", label="82"))
+    assert env.step("?").observation == ":82."
+    assert env.step("?1-3").observation == ":-2."  # an expression is still asked as written
+    env.reset(Prompt(index=1, text="043:", label="340"))  # no expression to ask
+    assert (env.step("?").observation, env.errors) == (BAD_CALL, {BAD_CALL})
+
+
+def test_demonstrations_mix_calls_reads_and_direct_answers():
+    demos = demonstrations(2000, seed=0)
+    assert demos == demonstrations(2000, seed=0) != demonstrations(2000, seed=1)
+    assert demos[0] == [
+        ("prompt", "66+20=", False),
+        ("model", "?", False),
+        ("tool", ":86.", False),
+        ("model", "86", True),
+    ]
+    calls = [d for d in demos if d[1] == ("model", "?", True)]
+    reads = [d for d in demos if d[1] == ("model", "?", False)]
+    direct = [d for d in demos if len(d) == 2]
+    assert len(calls) + len(reads) + len(direct) == len(demos)
+    assert abs(len(calls) / len(demos) - DEMO_CALLS) < 0.01
+    assert abs(len(reads) / len(demos) - DEMO_READS) < 0.03
+    for d in demos:  # the answer is always the sum, and trained; the observation is never trained
+        a, b = d[0][1].rstrip("=").split("+")
+        assert d[-1] == ("model", str(int(a) + int(b)), True) and 10 <= int(a) <= 99
+        assert all(not trained for role, _, trained in d if role != "model")
 
 
 def test_unknown_environment_is_refused_at_load():

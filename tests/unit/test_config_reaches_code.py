@@ -75,6 +75,7 @@ TRAINER_KEYS = {
 ELSEWHERE = {
     "train.release_after_publish": "tasks/steps.py",
     "model.path": "tasks/prepare.py",  # resolved once into RunContext.base_model_path
+    "model.warm_start": "tasks/prepare.py",  # builds the tiny base RunContext points at
     "weights.transport": "tasks/engines.py",  # passed to TrainGroup.push_weights
     "weights.bucket_bytes": "tasks/engines.py",  # passed to TrainGroup.push_weights
     "weights.publish_interval": "tasks/steps.py",
