@@ -1,5 +1,6 @@
 """The calculator tool and the environment that offers it (``rollout.environment:
-calculator``), small enough for the tiny model to learn on CPU (``add`` task).
+calculator``), small enough for the tiny model to learn on CPU (``add2`` task,
+configs/tiny-tool.yaml), and the demonstrations that warm-start it.
 
 Tool-call grammar, over one model turn's text (surrounding spaces ignored)::
 
