@@ -29,7 +29,9 @@ def test_tiny_rl_run_with_megatron_backend(ray_cluster, tmp_path):
                 "rollout.batch_size": 4,
                 "rollout.n_samples_per_prompt": 4,
                 "train.backend": "megatron",
-                "train.num_gpus_per_worker": 1.0,
+                # Half the GPU, as a user sharing it with an engine would ask: in one
+                # `pytest -m gpu` run a whole GPU was not free (seen 2026-12-03).
+                "train.num_gpus_per_worker": 0.5,
                 "model.dtype": "bfloat16",
                 "tasks.retry_delay_s": [0.1],
             },
