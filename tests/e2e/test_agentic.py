@@ -3,7 +3,7 @@ model learns to call the calculator and reward goes up, and a run whose engine
 dies mid-rollout and whose train step crashes (its rewards scored by Ray
 tasks), resumed, ends byte-identical to an uninterrupted run scored in process
 (the fault matrix's helpers,
-tests/e2e/test_faults.py)."""
+tests/e2e/fault_matrix.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from flows.config import load_config
 from flows.driver import run_plain
 from rollout.agent import tool_use
 from rollout.types import RolloutBatch
-from tests.e2e.test_faults import ITERATIONS, assert_records_complete, final_weights, overrides
+from tests.e2e.fault_matrix import ITERATIONS, assert_records_complete, final_weights, overrides
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ dynamic sampling, REINFORCE++, PPO with a critic), once each:
   last 5 of 20 iterations is at least twice that of the first 5 (GRPO's own
   row is ``test_learning.py``);
 - a crash and a resume end byte-identical: the fault matrix's small run
-  (``test_faults.overrides``, evaluated every 3 iterations) crashes: a train
+  (``fault_matrix.overrides``, evaluated every 3 iterations) crashes: a train
   rank killed at train[4] (PPO: the critic's, restored from its checkpoint 2
   and replayed over 3), an exception at rollout[5] and, in GSPO's row, one at
   evaluate[3]; the driver has no retries, so each crash ends the run and a new
@@ -23,7 +23,7 @@ from flows.driver import run_plain
 from rollout.types import RolloutBatch
 from storage.run_store import RunStore
 from tasks.faults import InjectedFault
-from tests.e2e.test_faults import assert_records_complete, final_weights, overrides
+from tests.e2e.fault_matrix import assert_records_complete, final_weights, overrides
 from training.critic import CriticStore
 
 pytestmark = pytest.mark.slow

@@ -28,10 +28,10 @@ import pytest
 
 from flows.config import load_config
 from flows.driver import run_plain
+from tests.e2e.fault_matrix import BASE
+from tests.e2e.fault_matrix import overrides as fault_overrides
 from tests.e2e.ray_nodes import RayNodes, can_isolate
 from tests.e2e.services import BIN, ROOT, worker_stack
-from tests.e2e.test_faults import BASE
-from tests.e2e.test_faults import overrides as fault_overrides
 
 pytestmark = [
     pytest.mark.slow,

@@ -16,8 +16,7 @@ import pytest
 
 from flows.config import load_config
 from flows.driver import run_plain
-from tests.e2e.services import kill_session
-from tests.e2e.test_faults import (
+from tests.e2e.fault_matrix import (
     BASE,
     ITERATIONS,
     KILL_PLAN,
@@ -26,6 +25,7 @@ from tests.e2e.test_faults import (
     final_weights,
     overrides,
 )
+from tests.e2e.services import kill_session
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,94 @@
+"""The fault matrix's shared parts: the small run every row makes (``BASE`` plus
+``overrides``), where each step's fault fires (``PLAN``, ``KILL_PLAN``), the
+checks every row ends with, and the uninterrupted run's final weights
+(``reference_weights``), made once per pytest run and read by every file of the
+matrix (``test_faults.py``, ``test_faults_sigkill.py``), on any xdist worker."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from flows.config import load_config
+from flows.driver import run_plain
+
+ITERATIONS = 6
+# One step per iteration; save is due at even iterations (save_interval 2).
+BASE = "configs/tiny-cpu.yaml"  # every run here: this file plus overrides
+# save_background fires inside the background checkpoint write of a due save (2, 4).
+PLAN = {
+    "rollout": 1,
+    "save": 2,
+    "train": 3,
+    "publish": 4,
+    "reload": 5,
+    "verify": 6,
+    "save_background": 4,
+}
+# The killed actors, in the same run as PLAN's exceptions: no (step, iteration) of both.
+KILL_PLAN = {
+    "rollout": 2,
+    "save": 4,
+    "train": 5,
+    "publish": 6,
+    "reload": 1,
+    "verify": 3,
+    "save_background": 2,
+}
+
+
+def overrides(root: Path, name: str, faults: list[dict] | None = None) -> dict:
+    return {
+        "run.name": name,
+        "run.iterations": ITERATIONS,
+        "run.save_interval": 2,
+        "storage.root": str(root),
+        "storage.lease_ttl_s": 3,
+        "rollout.batch_size": 4,
+        "rollout.n_samples_per_prompt": 4,
+        "engines.num_cpus_per_engine": 0.5,
+        "train.num_cpus_per_worker": 0.5,
+        "tasks.retries": 2,
+        "tasks.retry_delay_s": [0.1],
+        "faults": faults or [],
+    }
+
+
+def final_weights(store) -> dict[str, str]:
+    manifest = store.read_manifest(ITERATIONS)
+    return {f.name: f.sha256 for f in manifest.files if f.name.endswith(".safetensors")}
+
+
+def assert_records_complete(store) -> None:
+    for k in range(1, ITERATIONS + 1):
+        steps = set(store.committed_steps(k))
+        assert {"rollout", "train", "save", "publish", "reload-e0", "iteration"} <= steps, (
+            k,
+            steps,
+        )
+    assert [m["iteration"] for m in store.read_metrics()] == list(range(1, ITERATIONS + 1))
+    metrics_lines = store.fs.cat_file(f"{store.url}/metrics.jsonl").decode().strip().splitlines()
+    assert len(metrics_lines) == ITERATIONS
+
+
+def reference_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The uninterrupted run's final weights, made by the first caller of this pytest
+    run; the others wait for it and read them (the run is tens of seconds on 2 cores).
+    xdist workers share the folder above their own temporary folders; it is new for
+    every pytest run, so no run reads another's weights."""
+    own = tmp_path_factory.getbasetemp()
+    shared = own.parent if os.environ.get("PYTEST_XDIST_WORKER") else own
+    path = shared / "fault-matrix-reference.json"
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if path.exists():
+            return json.loads(path.read_text())
+        root = tmp_path_factory.mktemp("ref")
+        ctx, _, _ = run_plain(load_config(BASE, overrides(root, "ref")), quiet=True)
+        weights = final_weights(ctx.store)
+        path.write_text(json.dumps(weights))
+        return weights
