@@ -103,11 +103,14 @@ def check_frozen(ctx: RunContext) -> dict | None:
     if existing is None:
         return None
     old = existing.get("config", {})
-    changed = [k for k in FROZEN_KEYS if _get(old, k) != _get(snapshot, k)]
+    # A key newer than the run's run.json had its default then (model.warm_start).
+    default = RunConfig().model_dump(mode="json")
+    was = {k: _get(old, k) if _get(old, k) is not None else _get(default, k) for k in FROZEN_KEYS}
+    changed = [k for k in FROZEN_KEYS if was[k] != _get(snapshot, k)]
     if changed:
         raise ConfigError(
             f"run {cfg.run.name!r} in {store.url} was started with other settings for "
-            + ", ".join(f"{k} (was {_get(old, k)!r}, now {_get(snapshot, k)!r})" for k in changed)
+            + ", ".join(f"{k} (was {was[k]!r}, now {_get(snapshot, k)!r})" for k in changed)
             + "; keep them, or start a new run with another run.name"
         )
     return existing

@@ -102,6 +102,21 @@ def warm_start(
 ) -> float:
     """Supervised steps (AdamW, WARM_START_BATCH demonstrations each, in order) on
     the trained tokens' next-token loss; returns the last step's loss."""
+    threads = torch.get_num_threads()
+    # One thread: the same base on any machine (a reduction's order follows the
+    # thread count), and a model this small gains nothing from more on a busy host.
+    torch.set_num_threads(1)
+    try:
+        return _warm_start(model, tokenizer, demonstrations)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _warm_start(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    demonstrations: Sequence[Demonstration],
+) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=WARM_START_LR, weight_decay=0.0, foreach=False)
     model.train()
     loss = torch.zeros(())

@@ -49,3 +49,22 @@ def test_warm_start_is_deterministic_and_lowers_the_loss(tmp_path):
 def test_warm_start_is_refused_for_a_model_path():
     with pytest.raises(ValueError, match="unset model.path, or set model.warm_start: none"):
         ModelConfig(path="/models/qwen", warm_start="calculator")
+
+
+def test_a_continued_run_keeps_its_warm_start_and_older_runs_resume(tmp_path):
+    from tasks.config import ConfigError, RunConfig
+    from tasks.context import RunContext
+    from tasks.prepare import check_frozen
+
+    def ctx(warm_start: str) -> RunContext:
+        cfg = RunConfig.model_validate(
+            {"storage": {"root": str(tmp_path)}, "model": {"warm_start": warm_start}}
+        )
+        return RunContext(cfg=cfg, base_model_path=str(tmp_path))
+
+    snapshot = ctx("none").cfg.model_dump(mode="json")
+    del snapshot["model"]["warm_start"]  # a run.json written before the key existed
+    ctx("none").store.write_run_json({"config": snapshot})
+    assert check_frozen(ctx("none")) is not None
+    with pytest.raises(ConfigError, match="model.warm_start \\(was 'none', now 'calculator'\\)"):
+        check_frozen(ctx("calculator"))
