@@ -5,7 +5,7 @@ about 3x the weights in all) lives on the device (CUDA with --cuda, else CPU).
 ``training.checkpoint.save`` writes ``checkpoints/iter_k`` through the run store
 (gather to host, safetensors, torch.save of the optimizer, sha256 while writing,
 fsync, COMMIT last). The baseline writes the same number of bytes per file
-with plain 1 MiB writes, 2 files at a time, fsync each file and the folder
+with plain 1 MiB writes, every file at once (as ours), fsync each file and the folder
 (``bench.weights_io.raw_write``): no device copy, no serialisation, no hashing.
 Each op deletes its own previous output first (untimed), and the two are
 interleaved (a, b, a, b) after one untimed round.
@@ -80,7 +80,7 @@ def bench_size(size: int, args: argparse.Namespace, device: torch.device, base: 
         shutil.rmtree(raw_dir, ignore_errors=True)
 
     def raw() -> None:
-        raw_write(str(raw_dir), blobs)
+        raw_write(str(raw_dir), blobs, concurrency=len(blobs))  # as checkpoint.write_files
 
     t_raw, t_ours = paired([raw, save], args.repeats, [clear_raw, clear_runs])
     r_s = statistics.median(w for w, _ in t_raw)

@@ -136,8 +136,9 @@ def paired(
     return out
 
 
-def raw_write(dirpath: str, blobs: dict[str, list]) -> None:
-    """Each file: plain writes in 1 MiB syscalls + fsync; 2 files at a time, as ours."""
+def raw_write(dirpath: str, blobs: dict[str, list], concurrency: int = 2) -> None:
+    """Each file: plain writes in 1 MiB syscalls + fsync; ``concurrency`` files at a
+    time, as ours (a publish: 2; a checkpoint: every file at once)."""
     os.makedirs(dirpath, exist_ok=True)
 
     def one(name: str) -> None:
@@ -146,7 +147,7 @@ def raw_write(dirpath: str, blobs: dict[str, list]) -> None:
                 write_all(f.fileno(), memoryview(p))
             os.fsync(f.fileno())
 
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(concurrency) as pool:
         for fut in [pool.submit(one, n) for n in blobs]:
             fut.result()
     fd = os.open(dirpath, os.O_RDONLY)

@@ -131,6 +131,10 @@ class RunStore:
     def read_checkpoint_meta(self, k: int) -> dict:
         return dict(_ckpt.read_commit(self.fs, self._ckpt_dir, k).meta)
 
+    def checkpoint_files(self, k: int) -> list[str]:
+        """The names of checkpoint k's files, as its COMMIT lists them."""
+        return [f.name for f in _ckpt.read_commit(self.fs, self._ckpt_dir, k).files]
+
     def open_checkpoint_file(self, k: int, name: str) -> VerifyingReader:
         return _ckpt.open_checkpoint_file(self.fs, self._ckpt_dir, k, name)
 

@@ -1,8 +1,11 @@
 """Trainer checkpoints in the run store: model, optimizer and RNG of one iteration.
 
-Owns the checkpoint file set (``model.safetensors``, ``optim.pt``, ``rng.pt``)
-and how it is written (rank 0, through the store's checkpoint writer, COMMIT
+Owns the checkpoint file set (``model.safetensors``, the optimizer state as
+``training.optim_file`` lays it out, ``rng.pt``) and how it is written (rank 0,
+through the store's checkpoint writer, every file on its own thread, COMMIT
 last) and read back (every rank reads the full files and keeps its shard).
+Checkpoints written before the optimizer state moved to safetensors hold
+``optim.pt`` (``torch.save``); they are still read.
 Never decides which checkpoint to restore; the train group does.
 """
 
@@ -19,10 +22,12 @@ import torch
 from torch import nn
 
 from storage.safetensors_io import write_safetensors
+from training import optim_file
 from training.backend_torch import full_model_state, full_optim_state, load_full_state
 from training.export import tensor_entry
 
-MODEL_FILE, OPTIM_FILE, RNG_FILE = "model.safetensors", "optim.pt", "rng.pt"
+MODEL_FILE, RNG_FILE = "model.safetensors", "rng.pt"
+LEGACY_OPTIM_FILE = "optim.pt"  # torch.save of the optimizer state (checkpoints before 2026-12-03)
 
 
 def rng_state() -> dict[str, Any]:
@@ -70,7 +75,7 @@ def write(store: Any, k: int, snap: dict[str, Any], meta: dict) -> dict:
         writer,
         [
             (MODEL_FILE, lambda f: write_model_file(f, snap["model"])),
-            (OPTIM_FILE, lambda f: torch.save(snap["optim"], f)),
+            *optim_file.files(snap["optim"]),
             (RNG_FILE, lambda f: torch.save(snap["rng"], f)),
         ],
     )
@@ -125,17 +130,16 @@ def write_model_file(f: Any, model_sd: dict[str, torch.Tensor]) -> None:
 
 
 def write_files(writer: Any, files: list[tuple[str, Callable[[Any], None]]]) -> None:
-    """Write each (name, produce) through ``writer``, two files at a time: each file's
-    sha256 runs on its own helper thread, so the model file and the optimizer state
-    (the two big ones) are hashed and written side by side. ``torch.save`` streams
-    straight into the writer (it needs no seek), with no copy in memory first."""
+    """Write each (name, produce) through ``writer``, every file on its own thread:
+    each file's sha256 runs on a helper thread of its own, so the model file and
+    the optimizer shards are hashed and written side by side."""
 
     def one(item: tuple[str, Callable[[Any], None]]) -> None:
         name, produce = item
         with writer.open(name) as f:
             produce(f)
 
-    with ThreadPoolExecutor(2, thread_name_prefix="ckpt-write") as pool:
+    with ThreadPoolExecutor(len(files), thread_name_prefix="ckpt-write") as pool:
         for fut in [pool.submit(one, item) for item in files]:
             fut.result()
 
@@ -149,10 +153,17 @@ def load(store: Any, k: int, model: nn.Module, optim: torch.optim.Optimizer) -> 
     # per tensor, so every rank must walk the same order (the model's own).
     model_sd = {name: loaded[name] for name in model.state_dict() if name in loaded}
     model_sd.update({name: loaded[name] for name in sorted(loaded) if name not in model_sd})
-    with store.open_checkpoint_file(k, OPTIM_FILE) as f:
-        optim_sd = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False)
+    optim_sd = read_optim(store, k)
     with store.open_checkpoint_file(k, RNG_FILE) as f:
         rng = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False)
     load_full_state(model, optim, model_sd, optim_sd)
     set_rng_state(rng)
     return meta
+
+
+def read_optim(store: Any, k: int) -> Any:
+    """The optimizer state of checkpoint ``k``, in whichever layout it was written."""
+    if LEGACY_OPTIM_FILE in store.checkpoint_files(k):
+        with store.open_checkpoint_file(k, LEGACY_OPTIM_FILE) as f:
+            return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False)
+    return optim_file.read(lambda name: store.open_checkpoint_file(k, name))

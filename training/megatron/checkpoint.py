@@ -7,8 +7,8 @@ background like the torch backend's, COMMIT last):
 - ``model.safetensors``: the full model in **HF names** (TP shards gathered and
   converted back). Conversion is exact, so this is the same file the torch
   backend writes, and restoring under another TP size re-splits it.
-- ``optim.pt``: ``torch.save`` of ``{"tensor_parallel": tp, "ranks": [AdamW
-  state_dict of TP rank 0, 1, ...]}`` from data-parallel replica 0 (the other
+- the optimizer state (``training.optim_file``): ``{"tensor_parallel": tp, "ranks":
+  [AdamW state_dict of TP rank 0, 1, ...]}`` from data-parallel replica 0 (the other
   replicas hold the same state). The optimizer state is per TP shard, so a
   restore needs the same ``tensor_parallel``.
 - ``rng.pt``: torch/python/CUDA RNG (``training.checkpoint.rng_state``) plus
@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from training.checkpoint import (
     MODEL_FILE,
-    OPTIM_FILE,
     RNG_FILE,
     detached,
+    read_optim,
     rng_state,
     set_rng_state,
 )
@@ -94,8 +94,7 @@ def load(store: Any, k: int, gpt: torch.nn.Module, optim: torch.optim.Optimizer)
     meta = store.read_checkpoint_meta(k)
     with store.open_checkpoint_file(k, MODEL_FILE) as f:
         load_hf_state(gpt, safetensors.torch.load(f.read()), tp, tp_rank)
-    with store.open_checkpoint_file(k, OPTIM_FILE) as f:
-        optim_sd = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False)
+    optim_sd = read_optim(store, k)
     if not isinstance(optim_sd, dict) or "ranks" not in optim_sd:
         raise ValueError(
             f"checkpoint {k} was not written by the megatron backend; resume it with "
