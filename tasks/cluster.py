@@ -34,8 +34,8 @@ from tasks.config import ConfigError, RunConfig
 log = logging.getLogger("prefect_rl.cluster")
 
 CONNECT_TIMEOUT_S = 5.0  # a live GCS answers a TCP connect at once
-# The local cluster's logical CPUs beyond the actors' bundles: Prefect tasks
-# running as Ray tasks (RayTaskRunner) need room beside them on a 2-core machine.
+# The local cluster's logical CPUs beyond the actors' bundles: the Ray tasks
+# beside them (reward scoring, per-node weight pulls) need room on a 2-core machine.
 LOCAL_SPARE_CPUS = 4
 # A probe is a file lookup, but a node may first have to start a Python worker for it.
 PROBE_TIMEOUT_S = 60.0
