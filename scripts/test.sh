@@ -9,10 +9,15 @@ export RAY_AUTH_MODE=disabled PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_S
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 set +e
-# Three workers, whole files each (a file's module fixtures, such as a Prefect
-# server and worker, start once): the suite mostly waits on processes and Ray,
-# so three share two cores well. Each worker has its own Ray cluster.
-.venv/bin/python -m pytest -m "not gpu" -n 3 --dist loadfile --durations=20 "$@"
+# Four workers, whole files each (a file's module fixtures, such as a Prefect
+# server and worker, start once): the suite mostly waits on processes and Ray
+# (with three, pytest's user+sys time was about 40% of two cores), so four
+# share two cores well.
+# Each worker has its own Ray cluster. Files go out longest first, in
+# tests/conftest.py's order (LONGEST_FILES), not xdist's most-tests-first.
+# `bash scripts/test.sh -n 2` overrides the worker count.
+.venv/bin/python -m pytest -m "not gpu" -n 4 --dist loadfile --no-loadscope-reorder \
+    --durations=20 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "pytest ran no tests: failing" >&2; exit 1; fi

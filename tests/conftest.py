@@ -77,3 +77,60 @@ def prefect_api(prefect_server):
         # Also process-wide, as prefect_test_harness does: contexts copied earlier see it.
         with _temporary_global_settings_context(get_settings_context()):
             yield prefect_server.api_url
+
+
+# The files that take minutes, longest first (seconds: a file's setup, call and
+# teardown times summed, one full run on 2 cores at load 9-11, 3 workers). `scripts/test.sh` runs xdist with whole files per
+# worker in this order (--no-loadscope-reorder: xdist's default hands out files with
+# many tests first, which leaves these few-test files for the end, one worker each).
+# Started first, they run side by side while the quick files fill the other workers.
+LONGEST_FILES = [
+    "tests/e2e/test_faults_sigkill.py",  # 556 (it makes the matrix's reference run)
+    "tests/e2e/test_multinode.py",  # 554
+    "tests/e2e/test_deployments.py",  # 518
+    "tests/e2e/test_algorithms.py",  # 364
+    "tests/e2e/test_faults.py",  # 330 (reads the reference test_faults_sigkill.py made)
+    "tests/integration/test_weight_transports.py",  # 293
+    "tests/e2e/test_pipeline.py",  # 263
+    "tests/integration/test_security.py",  # 212
+    "tests/integration/test_colocate.py",  # 203
+    "tests/integration/test_run.py",  # 125
+    "tests/e2e/test_agentic.py",  # 98
+]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The longest files first, in LONGEST_FILES' order; then files with a slow test;
+    then the rest. A stable sort: each file's tests keep their order."""
+    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+
+    def key(item) -> int:
+        path = item.nodeid.split("::")[0]
+        return rank.get(path, len(rank) + (0 if path in slow else 1))
+
+    items.sort(key=key)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist skips it
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` that keeps the long files apart. xdist queues a worker's
+    next file while its last tests still run (a worker starts a test only once it
+    knows the one after), so a long file could wait minutes behind another: a worker
+    still busy with a long file is queued a quick file (the queue's last) instead."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongestApart(LoadFileScheduling):
+        def _assign_work_unit(self, node) -> None:
+            busy_long = any(
+                scope in LONGEST_FILES and not all(tests.values())
+                for scope, tests in self.assigned_work.get(node, {}).items()
+            )
+            if busy_long and len(self.workqueue) > 1:
+                # The queue runs longest first (LONGEST_FILES, then collection order).
+                self.workqueue.move_to_end(next(reversed(self.workqueue)), last=False)
+            super()._assign_work_unit(node)
+
+    return LongestApart(config, log)
