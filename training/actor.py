@@ -27,6 +27,7 @@ from training.batch import build_train_batch, rank_micro_batches
 from training.config import RunIdentity, TrainerSections
 from training.durable import DurableState
 from training.export import drop_tied
+from training.host_staging import HostStaging
 
 
 class StateMismatchError(RuntimeError):
@@ -64,6 +65,8 @@ class TrainActor(DurableState):
         # Background writes of checkpoints (save_checkpoint) and published versions (export_hf).
         self._saver = BackgroundSaver("checkpoint", CHECKPOINT_LOST)
         self._publisher = BackgroundSaver("weights version", VERSION_LOST)
+        # Host buffers a background checkpoint's snapshot is copied into, reused by the next.
+        self._host_staging = HostStaging()
 
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:

@@ -192,9 +192,15 @@ def _packed_token_logprobs(
     return _unpack(lp, attention_mask), (_unpack(ent, attention_mask) if ent is not None else None)
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full CPU state dict on rank 0 ({} elsewhere). Collective: call on every rank."""
-    return get_model_state_dict(model, options=FULL_OFFLOADED)
+def full_model_state(model: nn.Module, device: bool = False) -> dict[str, torch.Tensor]:
+    """Full CPU state dict on rank 0 ({} elsewhere). Collective: call on every rank.
+    ``device``: an unsharded model's own tensors where they live, nothing copied."""
+    return get_model_state_dict(model, options=FULL if device else FULL_OFFLOADED)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether the model's parameters are FSDP shards (DTensors)."""
+    return any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
 def iter_full_tensors(model: nn.Module):
@@ -207,9 +213,10 @@ def iter_full_tensors(model: nn.Module):
         yield name, t.detach()
 
 
-def full_optim_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
-    """Full CPU optimizer state keyed by FQN on rank 0 ({} elsewhere). Collective."""
-    return get_optimizer_state_dict(model, optim, options=FULL_OFFLOADED)
+def full_optim_state(model: nn.Module, optim: torch.optim.Optimizer, device: bool = False) -> dict:
+    """Full CPU optimizer state keyed by FQN on rank 0 ({} elsewhere). Collective.
+    ``device``: an unsharded model's, its own tensors where they live."""
+    return get_optimizer_state_dict(model, optim, options=FULL if device else FULL_OFFLOADED)
 
 
 def load_full_state(

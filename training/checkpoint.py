@@ -23,8 +23,14 @@ from torch import nn
 
 from storage.safetensors_io import write_safetensors
 from training import optim_file
-from training.backend_torch import full_model_state, full_optim_state, load_full_state
+from training.backend_torch import (
+    full_model_state,
+    full_optim_state,
+    is_sharded,
+    load_full_state,
+)
 from training.export import tensor_entry
+from training.host_staging import HostStaging, tensors_of
 
 MODEL_FILE, RNG_FILE = "model.safetensors", "rng.pt"
 LEGACY_OPTIM_FILE = "optim.pt"  # torch.save of the optimizer state (checkpoints before 2026-12-03)
@@ -54,12 +60,24 @@ def save(
 
 
 def snapshot(
-    model: nn.Module, optim: torch.optim.Optimizer, rank: int, copy: bool
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    rank: int,
+    copy: bool,
+    staging: HostStaging | None = None,
 ) -> dict[str, Any] | None:
     """Collective: what checkpoint files hold, gathered to host memory on rank 0
     (None elsewhere). ``copy``: no tensor may share memory with the live model or
     optimizer, so training can go on while the snapshot is written (on CPU the
-    gathered state is the live tensors themselves). The RNG state is taken now."""
+    gathered state is the live tensors themselves). ``staging``: an unsharded
+    model's state is copied into these reused host buffers (no gather to make).
+    The RNG state is taken now."""
+    if copy and staging is not None and not is_sharded(model):
+        if rank != 0:
+            return None
+        state = {"model": full_model_state(model, device=True)}
+        state["optim"] = full_optim_state(model, optim, device=True)
+        return {**staging.copy(state), "rng": rng_state()}
     model_sd = full_model_state(model)
     optim_sd = full_optim_state(model, optim)
     if rank != 0:
@@ -92,19 +110,8 @@ def host_copy(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, tor
 def detached(tree: Any, model: nn.Module, optim: torch.optim.Optimizer | None = None) -> Any:
     """``tree`` with every tensor that shares memory with ``model`` (or ``optim``'s
     state) cloned, so a background write never sees a later step's values."""
-    owned = [*model.parameters(), *model.buffers(), *_tensors(optim.state if optim else {})]
+    owned = [*model.parameters(), *model.buffers(), *tensors_of(optim.state if optim else {})]
     return _copied(tree, {_storage(t) for t in owned})
-
-
-def _tensors(tree: Any):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _tensors(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _tensors(v)
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -1,4 +1,4 @@
-"""The optimizer state of a checkpoint round-trips through its files: torch's
+"""Checkpoint files and snapshots. The optimizer state round-trips through its files: torch's
 AdamW state, megatron's per-rank list with integer keys, and a checkpoint
 written before the state moved to safetensors (``optim.pt``)."""
 
@@ -91,3 +91,32 @@ def test_checkpoint_restores_into_a_fresh_optimizer_and_old_optim_pt_still_loads
     old_model, old_optim = _trained(2)
     checkpoint.load(store, 2, old_model, old_optim)
     _assert_same(old_optim.state_dict()["state"], optim.state_dict()["state"])
+
+
+def test_a_background_snapshot_is_a_copy_in_buffers_reused_by_the_next(tmp_path) -> None:
+    from training.host_staging import HostStaging
+
+    model, optim = _trained(0)
+    staging = HostStaging()
+    first = checkpoint.snapshot(model, optim, 0, copy=True, staging=staging)
+    weights = {n: t.clone() for n, t in first["model"].items()}
+    moments = {n: s["exp_avg"].clone() for n, s in first["optim"]["state"].items()}
+    model(torch.randn(3, 8)).square().sum().backward()
+    optim.step()  # the live state moves on; the snapshot must not
+    for n, t in first["model"].items():
+        assert torch.equal(t, weights[n])
+        assert t.data_ptr() != model.state_dict()[n].data_ptr()
+    for n, s in first["optim"]["state"].items():
+        assert torch.equal(s["exp_avg"], moments[n])
+    # Once the first is written, the next snapshot reuses its buffers with the new values.
+    store = RunStore(StorageConfig(root=str(tmp_path)), "r")
+    checkpoint.write(store, 1, first, {"iteration": 1})
+    second = checkpoint.snapshot(model, optim, 0, copy=True, staging=staging)
+    for n, t in second["model"].items():
+        assert t.data_ptr() == first["model"][n].data_ptr()
+        assert torch.equal(t, model.state_dict()[n])
+    # and what was written is the first snapshot's state: a fresh optimizer restores it
+    fresh_model, fresh_optim = _trained(1)
+    checkpoint.load(store, 1, fresh_model, fresh_optim)
+    for n, t in fresh_model.state_dict().items():
+        assert torch.equal(t, weights[n])
