@@ -2,8 +2,10 @@
 
 A Llama of about ``--size-mb`` MB (weights) with AdamW state (two moments, so
 about 3x the weights in all) lives on the device (CUDA with --cuda, else CPU).
-``training.checkpoint.save`` writes ``checkpoints/iter_k`` through the run store
-(gather to host, safetensors, torch.save of the optimizer, sha256 while writing,
+A save as a train rank makes it (``training.checkpoint.snapshot`` into the
+rank's reused host buffers, then ``training.checkpoint.write``) writes
+``checkpoints/iter_k`` through the run store (safetensors for the model and the
+optimizer shards, sha256 while writing,
 fsync, COMMIT last). The baseline writes the same number of bytes per file
 with plain 1 MiB writes, every file at once (as ours), fsync each file and the folder
 (``bench.weights_io.raw_write``): no device copy, no serialisation, no hashing.
@@ -50,6 +52,7 @@ def build(size_mb: int, dtype: str, device: torch.device):
 def bench_size(size: int, args: argparse.Namespace, device: torch.device, base: Path) -> dict:
     from storage import RunStore, StorageConfig
     from training import checkpoint
+    from training.host_staging import HostStaging
 
     model, optim = build(size, args.dtype, device)
     store = RunStore(StorageConfig(root=str(base / "runs")), f"ckpt-{uuid.uuid4().hex[:6]}")
@@ -59,11 +62,12 @@ def bench_size(size: int, args: argparse.Namespace, device: torch.device, base: 
         shutil.rmtree(base / "runs", ignore_errors=True)
 
     phases: dict[str, list[float]] = {"snapshot_s": [], "write_s": []}
+    staging = HostStaging()  # as a train actor keeps one across its saves
 
     def save() -> None:  # checkpoint.save, its two phases timed apart
         k[0] += 1
         t0 = time.perf_counter()
-        snap = checkpoint.snapshot(model, optim, 0, copy=False)
+        snap = checkpoint.snapshot(model, optim, 0, copy=False, staging=staging)
         t1 = time.perf_counter()
         checkpoint.write(store, k[0], snap, {"iteration": k[0]})
         phases["snapshot_s"].append(t1 - t0)

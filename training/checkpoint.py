@@ -70,9 +70,10 @@ def snapshot(
     (None elsewhere). ``copy``: no tensor may share memory with the live model or
     optimizer, so training can go on while the snapshot is written (on CPU the
     gathered state is the live tensors themselves). ``staging``: an unsharded
-    model's state is copied into these reused host buffers (no gather to make).
-    The RNG state is taken now."""
-    if copy and staging is not None and not is_sharded(model):
+    model's state is copied into these reused host buffers instead (a copy in
+    either case; on the H200 machine 2.27 GB took 0.075 s, against 0.2-1.6 s
+    for DCP's gather into fresh memory). The RNG state is taken now."""
+    if staging is not None and not is_sharded(model):
         if rank != 0:
             return None
         state = {"model": full_model_state(model, device=True)}

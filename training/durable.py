@@ -57,8 +57,9 @@ class DurableState:
     def _checkpoint_snapshot(self, copy: bool) -> dict | None:
         """Collective: the checkpoint's contents on rank 0 (the megatron actor gathers
         its TP shards instead)."""
-        staging = self._host_staging if copy else None  # the actor's, reused across saves
-        return checkpoint.snapshot(self.model, self.optim, self.rank, copy=copy, staging=staging)
+        return checkpoint.snapshot(
+            self.model, self.optim, self.rank, copy=copy, staging=self._host_staging
+        )
 
     def _checkpoint_meta(self) -> dict:
         """What this backend adds to a checkpoint's meta."""
