@@ -65,8 +65,10 @@ class TrainActor(DurableState):
         # Background writes of checkpoints (save_checkpoint) and published versions (export_hf).
         self._saver = BackgroundSaver("checkpoint", CHECKPOINT_LOST)
         self._publisher = BackgroundSaver("weights version", VERSION_LOST)
-        # Host buffers a background checkpoint's snapshot is copied into, reused by the next.
+        # Host buffers a checkpoint's snapshot (and a background publish's weights) are
+        # copied into, reused by the next one once the last is written.
         self._host_staging = HostStaging()
+        self._publish_staging = HostStaging()
 
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:
@@ -213,8 +215,12 @@ class TrainActor(DurableState):
             norm = norm.full_tensor()
         return float(norm)
 
-    def _hf_state(self) -> dict[str, torch.Tensor]:
-        """The full state dict in HF names, tied output dropped (collective)."""
+    def _hf_state(self, staging: HostStaging | None = None) -> dict[str, torch.Tensor]:
+        """The full state dict in HF names, tied output dropped (collective).
+        ``staging``: an unsharded model's state is copied into these reused host
+        buffers (a background publish's host copy, at the link's speed)."""
+        if staging is not None and not bt.is_sharded(self.model):
+            return staging.copy(drop_tied(self.model, bt.full_model_state(self.model, True)))
         return drop_tied(self.model, bt.full_model_state(self.model))
 
     def _reference_logprobs(self, mbs: list) -> tuple[list, list]:

@@ -99,7 +99,9 @@ class DurableState:
                 "shards": sum(n.endswith(".safetensors") for n in names),
                 "reused": True,
             }
-        state = self._hf_state()  # collective: every rank takes part in the gather
+        # collective: every rank takes part in the gather; a background publish's
+        # copy lands in reused host buffers (the previous one is written: waited above)
+        state = self._hf_state(self._publish_staging if background else None)
         if self.rank != 0:
             return None
         if background:

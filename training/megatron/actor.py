@@ -129,8 +129,9 @@ class MegatronTrainActor(TrainActor):
         torch.cuda.synchronize()
         return norm
 
-    def _hf_state(self) -> dict[str, torch.Tensor]:
-        return full_hf_state(self.model.gpt, self.tp)  # HF names; no lm_head when tied
+    def _hf_state(self, staging: Any = None) -> dict[str, torch.Tensor]:
+        # HF names, no lm_head when tied; converted copies already, so no staging
+        return full_hf_state(self.model.gpt, self.tp)
 
     def _push_tensors(self) -> Any:
         """HF-named tensors converted layer by layer as a push streams them (the raw
