@@ -32,11 +32,13 @@ def _cfg(tmp_path, *flags: str, host: str = "127.0.0.1", **kw) -> EngineConfig:
         host=host,
         launch_command=[sys.executable, STANDIN, *flags],
         log_dir=str(tmp_path),
-        startup_timeout_s=60,
+        # Generous: the stand-in imports torch, and a loaded 2-core CI machine once took
+        # over 60 s to start it. No test here waits for this deadline to pass.
+        startup_timeout_s=300,
         extra_args=["--enable-foo"],
         **kw,
     )
-    return EngineConfig(kind="sglang", num_engines=1, health_timeout_s=60, sglang=sc)
+    return EngineConfig(kind="sglang", num_engines=1, health_timeout_s=120, sglang=sc)
 
 
 def _gone(pid: int, timeout_s: float = 15.0) -> bool:
