@@ -204,14 +204,19 @@ class WandbTracker:
     """An offline W&B run with an id derived from the run; each session writes its
     own offline folder (``wandb sync`` merges them into one run). W&B's writer is
     asynchronous: a process killed right after a row may lose it (a rerun finish
-    step logs it again; one already committed leaves a gap), never write it twice."""
+    step logs it again; one already committed leaves a gap), never write it twice.
+    The last step handed to W&B is also kept in a marker file: on a loaded machine
+    a finished session's last row was seen missing from W&B's file when the next
+    session read it."""
 
     def __init__(self, project: str, folder: Path, run_name: str, run_id: str) -> None:
         import wandb
 
         folder.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
-        self._last = wandb_last_step(folder, run_id)
+        self._marker = folder / f"logged-{run_id}.txt"
+        handed = int(self._marker.read_text()) if self._marker.is_file() else 0
+        self._last = max(wandb_last_step(folder, run_id), handed)
         session = len(list((folder / "wandb").glob(f"offline-run-*-{run_id}-s*"))) + 1
         settings = wandb.Settings(
             silent=True, console="off", x_disable_stats=True, x_sync_dir_suffix=f"s{session}"
@@ -234,6 +239,9 @@ class WandbTracker:
         # commit now: a row left pending until the next step is lost if finish() races
         self.run.log(dict(metrics), step=k, commit=True)
         self._last = k
+        tmp = self._marker.with_suffix(".tmp")
+        tmp.write_text(str(k))
+        tmp.replace(self._marker)  # whole or absent, never torn
 
     def close(self) -> None:
         self.run.finish()
