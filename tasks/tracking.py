@@ -239,9 +239,8 @@ class WandbTracker:
         # commit now: a row left pending until the next step is lost if finish() races
         self.run.log(dict(metrics), step=k, commit=True)
         self._last = k
-        tmp = self._marker.with_suffix(".tmp")
-        tmp.write_text(str(k))
-        tmp.replace(self._marker)  # whole or absent, never torn
+        self._marker.with_suffix(".tmp").write_text(str(k))
+        self._marker.with_suffix(".tmp").replace(self._marker)  # whole or absent, never torn
 
     def close(self) -> None:
         self.run.finish()
