@@ -10,6 +10,9 @@ Prefect's floor: a flow run that walks the same plan (the same number of task
 runs per iteration, the same options: persisted results, cache keys, retries) with tasks that do nothing. What Prefect costs above that floor is ours.
 
     .venv/bin/python -m bench.orchestration --iterations 5   (as a module: bench/rollout.py would shadow the rollout package)
+
+A 0.5B model publishes 1 GB per iteration: add ``--set storage.keep_last=2`` there,
+or the GPU machine's disk fills (the default config keeps every version).
 """
 
 from __future__ import annotations
@@ -91,7 +94,6 @@ def main() -> None:
         "storage.root": root,
         "run.iterations": 3 * n,
         "run.save_interval": 1000,
-        "storage.keep_last": 2,  # a published version per iteration: bounded on disk
         **dict(parse_override(s) for s in args.set),
     }
     cfg = load_config(args.config, overrides)
