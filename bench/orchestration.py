@@ -41,6 +41,17 @@ def plain_block(ctx, ks: range) -> list[float]:
     return out
 
 
+def step_medians(store, ks: list[int]) -> dict[str, float]:
+    """Median seconds of each committed step over iterations ``ks``, from the ledger
+    (the runner times the same span under both drivers: the step's own work)."""
+    per: dict[str, list[float]] = {}
+    for k in ks:
+        for key in store.committed_steps(k):
+            rec = store.read_record(k, key) or {}
+            per.setdefault(key.split("-e")[0], []).append(float(rec.get("seconds", 0.0)))
+    return {key: statistics.median(xs) for key, xs in sorted(per.items())}
+
+
 def prefect_floor(ctx, n: int) -> list[float]:
     """Seconds per iteration of the plan walked with no-op task runs (see module doc)."""
     from prefect import flow, task
@@ -119,8 +130,13 @@ def main() -> None:
     def med(xs: list[float]) -> float:
         return statistics.median(xs[1:] or xs)
 
+    plain_ks = list(range(2, n + 1)) + list(range(2 * n + 2, 3 * n + 1))
+    steps_plain = step_medians(ctx.store, plain_ks or [1])
+    steps_prefect = step_medians(ctx.store, list(range(n + 2, 2 * n + 1)) or [n + 1])
     row = {
         "iterations": n,
+        "steps_plain_s": steps_plain,
+        "steps_prefect_s": steps_prefect,
         "overrides": args.set,
         "plain_s_per_iter_median": statistics.median(plain[1:n] + plain[n + 1 :]),
         "prefect_s_per_iter_median": med(flow_iters),
@@ -146,6 +162,13 @@ def main() -> None:
     print(f"| ratio Prefect / plain | {row['ratio']:.2f}x (+{q - p:.3f} s) |")
     print(f"| Prefect's cost above its floor | {row['above_floor_s_per_iter']:+.3f} s |")
     print(f"| whole flow run incl. start, {n} iterations | {flow_total:.1f} s |")
+    # A step slower under Prefect than under the plain driver shows where the cost is.
+    print(
+        "\n| step (ledger seconds, median) | plain | Prefect | Prefect - plain |\n|---|---|---|---|"
+    )
+    for key in steps_plain:
+        a, b = steps_plain[key], steps_prefect.get(key, float("nan"))
+        print(f"| {key} | {a:.3f} | {b:.3f} | {b - a:+.3f} |")
     Path("bench/results").mkdir(parents=True, exist_ok=True)
     Path("bench/results/orchestration.json").write_text(json.dumps(row, indent=2))
 

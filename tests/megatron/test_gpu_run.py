@@ -37,6 +37,18 @@ def test_tiny_rl_run_with_megatron_backend(ray_cluster, tmp_path):
             },
         )
 
+    import ray
+
+    # Shown on failure: what earlier files of the same session still hold on the cluster.
+    print("available:", ray.available_resources())
+    print(
+        "placement groups:",
+        [
+            g["strategy"]
+            for g in ray.util.placement_group_table().values()
+            if g["state"] == "CREATED"
+        ],
+    )
     ctx, rows, secs = run_plain(cfg(2), quiet=True)
     print(f"\nRL RUN megatron: {len(rows)} iterations in {secs:.1f}s")
     for r in rows:
