@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # bench/rollout.py would shadow the rollout package when run as a script.
@@ -115,11 +116,12 @@ def bench_model(
     repeats: int,
     backend: str = "torch",
     dtype: str = "float32",
+    profile: bool = False,
 ) -> dict:
     vocab = AutoModelForCausalLM.from_pretrained(path).config.vocab_size
     store_cfg = StorageConfig(root=str(root))
     store = RunStore(store_cfg, name)
-    for k in range(1, repeats + 2):
+    for k in range(1, repeats + 2 + int(profile)):
         store.write_rollouts(k, rollouts(k, vocab).to_json())
     cfg = TrainConfig(
         backend=backend,
@@ -157,6 +159,8 @@ def bench_model(
     for k in range(1, repeats + 2):
         steps.append(actor.train_step(k))
         raw.append(raw_step())
+    if profile:  # one more step under torch.profiler: where the step's time goes
+        print_profile(name, backend, lambda: actor.train_step(repeats + 2))
     tokens = steps[-1]["tokens"]
     step_s = statistics.median(m["train_s"] for m in steps[1:])
     raw_s = statistics.median(raw[1:])
@@ -178,6 +182,20 @@ def bench_model(
     }
 
 
+def print_profile(name: str, backend: str, step: Callable[[], object]) -> None:
+    """The top operators of one ``step()`` by device time (self time on CPU runs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"\nprofile of one train step: {name}, backend={backend}")
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -188,6 +206,7 @@ def main() -> None:
         "--models", default="tiny-llama,qwen2-19m", help=f"comma list of {list(MODELS)}"
     )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train_step.json"))
+    ap.add_argument("--profile", action="store_true", help="print one step's torch.profiler table")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,7 +215,14 @@ def main() -> None:
             path = MODELS[name](t / name)
             rows.append(
                 bench_model(
-                    name, path, t / "runs", args.device, args.repeats, args.backend, args.dtype
+                    name,
+                    path,
+                    t / "runs",
+                    args.device,
+                    args.repeats,
+                    args.backend,
+                    args.dtype,
+                    args.profile,
                 )
             )
     print(

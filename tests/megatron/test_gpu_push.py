@@ -96,8 +96,14 @@ def test_colocated_megatron_run_with_tensor_transport(ray_cluster, tmp_path):
             "tasks.retry_delay_s": [0.1],
         },
     )
-    ctx, rows, _ = run_plain(cfg, quiet=True)
-    assert [r["iteration"] for r in rows] == [1]
     from tasks import steps
 
-    assert steps.verify_engine(ctx, 1, 0)["verified"] is True  # the engine serves pushed v1
+    # The actors stay up for the check: after run_plain's shutdown, verify_engine would
+    # start a fresh engine (holding half the GPU) that no one stops.
+    ctx, rows, _ = run_plain(cfg, quiet=True, keep_actors=True)
+    try:
+        assert [r["iteration"] for r in rows] == [1]
+        assert steps.verify_engine(ctx, 1, 0)["verified"] is True  # it serves pushed v1
+    finally:
+        ctx.trainer().shutdown()
+        ctx.engines().shutdown()

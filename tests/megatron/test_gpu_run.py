@@ -37,31 +37,24 @@ def test_tiny_rl_run_with_megatron_backend(ray_cluster, tmp_path):
             },
         )
 
-    import ray
-
-    # Shown on failure: what earlier files of the same session still hold on the cluster.
-    print("available:", ray.available_resources())
-    print(
-        "placement groups:",
-        [
-            g["strategy"]
-            for g in ray.util.placement_group_table().values()
-            if g["state"] == "CREATED"
-        ],
-    )
-    ctx, rows, secs = run_plain(cfg(2), quiet=True)
-    print(f"\nRL RUN megatron: {len(rows)} iterations in {secs:.1f}s")
-    for r in rows:
-        print({k: r.get(k) for k in ("iteration", "loss", "reward_mean", "train_tokens_per_s")})
-    assert [r["iteration"] for r in rows] == [1, 2]
-    assert ctx.store.committed_versions() == [0, 1, 2]
-    assert ctx.store.committed_checkpoints() == [1, 2]
-    # run_plain raises VersionMismatch if verify fails; check once more, explicitly
     from tasks import steps
 
-    assert steps.verify_engine(ctx, 2, 0)["verified"] is True
-    # kill the train ranks; iteration 3 must restore checkpoint 2 through the megatron loader
-    ctx.trainer().release()
+    # The actors stay up for the check: after run_plain's shutdown, verify_engine would
+    # start a fresh engine that no one stops.
+    ctx, rows, secs = run_plain(cfg(2), quiet=True, keep_actors=True)
+    try:
+        print(f"\nRL RUN megatron: {len(rows)} iterations in {secs:.1f}s")
+        for r in rows:
+            print({k: r.get(k) for k in ("iteration", "loss", "reward_mean", "train_tokens_per_s")})
+        assert [r["iteration"] for r in rows] == [1, 2]
+        assert ctx.store.committed_versions() == [0, 1, 2]
+        assert ctx.store.committed_checkpoints() == [1, 2]
+        # run_plain raises VersionMismatch if verify fails; check once more, explicitly
+        assert steps.verify_engine(ctx, 2, 0)["verified"] is True
+    finally:
+        # kill the train ranks: iteration 3 must restore checkpoint 2 through the megatron loader
+        ctx.trainer().shutdown()
+        ctx.engines().shutdown()
     ctx3, rows3, _ = run_plain(cfg(3), quiet=True)
     assert [r["iteration"] for r in rows3] == [3]
     assert ctx3.store.committed_versions() == [0, 1, 2, 3]
