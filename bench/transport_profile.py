@@ -145,7 +145,7 @@ class Producer:
             self.staging = Staging(layout, self.dev, "profile")
             self.staging.bind(self.model)  # one rank: its weights become the buffer
         t1 = time.perf_counter()
-        if self.staging.bound():
+        if self.staging.bound(self.model):
             self.staging.ready()
         else:
             self.staging.fill(self.named())

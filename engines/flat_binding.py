@@ -61,9 +61,26 @@ def rebind(pairs: Sequence[tuple[Target, torch.Tensor]]) -> None:
         raise
 
 
-def is_bound(pairs: Sequence[tuple[Target, int]]) -> bool:
-    """Whether every target still starts at the data pointer it was bound to."""
-    return all(getattr(m, a).data_ptr() == ptr for (m, a), ptr in pairs)
+# (the module's _parameters or _buffers dict, attribute name, data pointer of its view)
+Binding = tuple[dict, str, int]
+
+
+def binding(target: Target, view: torch.Tensor) -> Binding:
+    """What ``is_bound`` checks for ``target`` bound to ``view``."""
+    module, attr = target
+    slots = module._parameters if attr in module._parameters else module._buffers
+    return (slots, attr, view.data_ptr())
+
+
+def is_bound(bindings: Sequence[Binding]) -> bool:
+    """Whether every target still starts at the data pointer it was bound to.
+    Checked before every update, so it reads the module's own dicts: going through
+    ``nn.Module.__getattr__`` cost about 4 us a tensor, 1 ms an update on a 0.5B model."""
+    for slots, attr, ptr in bindings:
+        t = slots.get(attr)
+        if t is None or t.data_ptr() != ptr:
+            return False
+    return True
 
 
 @dataclass
@@ -72,7 +89,7 @@ class FlatPlan:
     one device copy per dtype per update."""
 
     pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (local flat, producer's flat)
-    bindings: list[tuple[Target, int]]  # target -> the data pointer of its view
+    bindings: list[Binding]  # each target and the data pointer of its view
     nbytes: int  # bytes copied per update
     ntensors: int  # tensors named by the handle (aliases included)
 
@@ -120,5 +137,5 @@ def adopt(resolved: dict[str, Target], buckets: Sequence) -> FlatPlan | None:
         plan_pairs.append((local, flat))
     nbytes = sum(loc.numel() * loc.element_size() for loc, _ in plan_pairs)
     rebind(rebinds)
-    bindings = [(target, view.data_ptr()) for target, view in rebinds]
+    bindings = [binding(target, view) for target, view in rebinds]
     return FlatPlan(plan_pairs, bindings, nbytes, ntensors)

@@ -214,7 +214,7 @@ class TensorPusher:
                 self.staging = Staging(self.layout, self.device, self.channel)
                 self._bind = model is not None  # try once per buffer
             st = self.staging
-            if self._bind and (st.bound() or _try_bind(st, model)):
+            if self._bind and (st.bound(model) or _try_bind(st, model)):
                 nbytes = st.ready()  # the weights are the buffer: nothing to copy
             else:
                 self._bind = False

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from engines.flat_binding import is_bound, rebind, resolve
+from engines.flat_binding import Binding, binding, is_bound, rebind, resolve
 from engines.flat_bucket import TensorMeta, dtype_name
 from engines.weight_receiver import SHM_PREFIX
 
@@ -176,7 +176,8 @@ class Staging:
         self.metadata = [metas[d] for d in order]
         self.path: str | None = None
         self._views: list[torch.Tensor] | None = None
-        self._bindings: list | None = None  # (target, data pointer) once bound to a model
+        self._bindings: list[Binding] | None = None  # once bound to a model
+        self._model: weakref.ref | None = None  # the model bound (a rebuilt one is not)
         if device.type == "cuda":
             self.flats = [torch.empty(sizes[d], dtype=d, device=device) for d in order]
             self._ipc = [_ipc_bytes(f) for f in self.flats]
@@ -224,14 +225,20 @@ class Staging:
                 return False
             if s.alias_of is None:
                 pairs.append((target, view))
-            bindings.append((target, view.data_ptr()))
+            bindings.append(binding(target, view))
         rebind(pairs)
-        self._bindings = bindings
+        self._bindings, self._model = bindings, weakref.ref(model)
         return True
 
-    def bound(self) -> bool:
-        """Whether the model's tensors are still this buffer (a move breaks it)."""
-        return self._bindings is not None and is_bound(self._bindings)
+    def bound(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` is the model bound and its tensors are still this buffer
+        (a move, such as a sleep to the host, breaks it; so does a rebuilt model)."""
+        return (
+            self._bindings is not None
+            and self._model is not None
+            and self._model() is model
+            and is_bound(self._bindings)
+        )
 
     def ready(self) -> int:
         """A bound buffer is already filled: wait for the kernels that last wrote the
@@ -302,6 +309,7 @@ class Staging:
         they see a new key) and unlink the segment."""
         # A bound model keeps the memory alive: its tensors are views of it.
         self.flats, self._ipc, self._views, self._bindings = [], [], None, None
+        self._model = None
         if self.path is not None:
             try:
                 os.unlink(self.path)

@@ -106,7 +106,8 @@ def test_a_bound_trainer_model_is_the_staging_buffer():
     staging = _staging(src)
     owner = type("Engine", (), {})()
     try:
-        assert staging.bind(src) and staging.bound()
+        assert staging.bind(src) and staging.bound(src)
+        assert not staging.bound(Tied(0))  # a rebuilt model is not the one bound
         assert list(src.parameters()) == params
         assert all(torch.equal(before[n], t) for n, t in src.state_dict().items())
         with torch.no_grad():
@@ -115,7 +116,7 @@ def test_a_bound_trainer_model_is_the_staging_buffer():
         apply(owner, dst, staging.handle(full=True), torch.device("cpu"), 0, 1)
         assert _same(src, dst)
         src.norm.data = src.norm.data.clone()  # moved away: no longer bound
-        assert not staging.bound()
+        assert not staging.bound(src)
     finally:
         staging.close()
 
