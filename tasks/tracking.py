@@ -17,6 +17,7 @@ import hashlib
 import logging
 import math
 import struct
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Protocol
@@ -204,19 +205,14 @@ class WandbTracker:
     """An offline W&B run with an id derived from the run; each session writes its
     own offline folder (``wandb sync`` merges them into one run). W&B's writer is
     asynchronous: a process killed right after a row may lose it (a rerun finish
-    step logs it again; one already committed leaves a gap), never write it twice.
-    The last step handed to W&B is also kept in a marker file: on a loaded machine
-    a finished session's last row was seen missing from W&B's file when the next
-    session read it."""
+    step logs it again; one already committed leaves a gap), never write it twice."""
 
     def __init__(self, project: str, folder: Path, run_name: str, run_id: str) -> None:
         import wandb
 
         folder.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
-        self._marker = folder / f"logged-{run_id}.txt"
-        handed = int(self._marker.read_text()) if self._marker.is_file() else 0
-        self._last = max(wandb_last_step(folder, run_id), handed)
+        self._last = wandb_last_step(folder, run_id)
         session = len(list((folder / "wandb").glob(f"offline-run-*-{run_id}-s*"))) + 1
         settings = wandb.Settings(
             silent=True, console="off", x_disable_stats=True, x_sync_dir_suffix=f"s{session}"
@@ -239,8 +235,6 @@ class WandbTracker:
         # commit now: a row left pending until the next step is lost if finish() races
         self.run.log(dict(metrics), step=k, commit=True)
         self._last = k
-        self._marker.with_suffix(".tmp").write_text(str(k))
-        self._marker.with_suffix(".tmp").replace(self._marker)  # whole or absent, never torn
 
     def close(self) -> None:
         self.run.finish()
@@ -374,6 +368,11 @@ def close() -> None:
             trackers.close()
         except Exception as e:  # closing is best effort: the data was flushed per row
             log.warning("closing the trackers of run %s failed: %s", trackers.run_name, e)
+    # W&B's finish() can return before its writer process has written the last row
+    # (seen: a resumed session's row missing right after close); teardown waits for it
+    # and stops that process, so nothing is left running.
+    if opened and "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
 
 
 def check(cfg: _HasTracking) -> None:
