@@ -2,9 +2,12 @@
 engines of 2 ranks each (tensor: from 2 train ranks, one handle per engine rank
 gathered over gloo; distributed: a broadcast group with every engine rank).
 Versions pushed straight from the trainer (also ones never published) are
-verified like disk versions; afterwards a restarted engine takes a push again,
-bitwise equal to a disk reload of the same version (distributed: through a
-rebuilt group)."""
+verified like disk versions. The run joins the session's cluster by address, so
+its engines stay up after the flow (as on a persistent cluster): a new trainer
+pushes into them, bitwise equal to a disk reload of the same version, and a
+restarted engine takes a push again (distributed: through a rebuilt group).
+(Each engine start is two processes that import torch: reusing the flow's
+engines spares four per case.)"""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import ray
 
 from flows.config import load_config
 from tasks import steps
+from tasks.context import RunContext
 from tasks.engines import engine_weights, push_engine_serves
 from tasks.prepare import prepare_run
 
@@ -21,6 +25,8 @@ CONFIG = "configs/tiny-cpu.yaml"
 
 def _overrides(tmp_path, transport: str) -> dict:
     return {
+        # The session's cluster by address: the flow leaves its engines up at the end.
+        "ray.address": ray.get_runtime_context().gcs_address,
         "run.name": f"wt-{transport}",
         "run.iterations": 3,
         "run.save_interval": 1,
@@ -49,11 +55,17 @@ def test_in_memory_transport_through_the_flow(ray_cluster, prefect_api, tmp_path
     from flows.rl_training import rl_training
 
     overrides = _overrides(tmp_path, transport)
-    state = rl_training(config_path=CONFIG, overrides=overrides, return_state=True)
-    assert state.is_completed(), state
-    assert state.result()["iterations"] == [1, 2, 3]
+    cfg = load_config(CONFIG, overrides)
+    try:
+        state = rl_training(config_path=CONFIG, overrides=overrides, return_state=True)
+        assert state.is_completed(), state
+        assert state.result()["iterations"] == [1, 2, 3]
+        _check_pushes(prepare_run(cfg))
+    finally:  # the engines the flow left up, also when it failed
+        RunContext(cfg=cfg, base_model_path="").engines().shutdown()
 
-    ctx = prepare_run(load_config(CONFIG, overrides))
+
+def _check_pushes(ctx) -> None:
     store = ctx.store
     assert store.committed_versions() == [0, 2, 3]  # the durable publish still runs
     for k in (1, 2, 3):  # rollout 2 used v1, which only ever existed in memory
@@ -62,10 +74,11 @@ def test_in_memory_transport_through_the_flow(ray_cluster, prefect_api, tmp_path
             assert store.read_record(k, f"reload-e{e}")["result"]["version"] == k
         assert store.read_record(k, "iteration") is not None
 
-    # The flow ended (engines and trainer gone). Bring the trainer back to
-    # state 3 and push it: each engine is restarted on disk v3, then pushed.
+    # The flow ended: its trainer is gone, its engines serve v3. A new trainer
+    # restores state 3 and pushes it into each engine (distributed: a new group).
     group, trainer = ctx.engines(), ctx.trainer()
     try:
+        assert trainer.iteration() is None and set(group.handles()) == {0, 1}
         trainer.ensure_state(3, ctx.base_model_path)
         for e in (0, 1):
             push_engine_serves(ctx, group, e, 3, force=True)
@@ -90,5 +103,4 @@ def test_in_memory_transport_through_the_flow(ray_cluster, prefect_api, tmp_path
         assert {_sha(group, 1)} == pushed
     finally:
         trainer.shutdown()
-        group.shutdown()
         store.release_lease(ctx.owner)
