@@ -30,32 +30,33 @@ def tiny_cfg(tmp_path, name: str, **extra):
     return load_config(None, overrides)
 
 
-def test_plain_run_commits_versions_and_resumes(ray_cluster, tmp_path):
-    cfg = tiny_cfg(tmp_path, "plain")
-    ctx, rows, _ = run_plain(cfg, quiet=True)
-    store = ctx.store
-    assert [r["iteration"] for r in rows] == [1, 2]
-    assert store.committed_versions() == [0, 1, 2]
-    assert [m["iteration"] for m in store.read_metrics()] == [1, 2]
-    run_json = store.read_run_json()
-    assert run_json["config"]["run"]["name"] == "plain"
-    # every sample of rollout k came from version k-1
-    for k in (1, 2):
-        batch = store.read_rollouts(k)
-        assert {s["weight_version"] for s in batch["samples"]} == {k - 1}
-    # a second run of a finished run does nothing
-    _, rows_again, _ = run_plain(cfg, quiet=True)
-    assert rows_again == []
-    # more iterations continue from the last one
-    ctx3, rows3, _ = run_plain(tiny_cfg(tmp_path, "plain", **{"run.iterations": 3}), quiet=True)
-    assert [r["iteration"] for r in rows3] == [3]
-    assert ctx3.store.committed_versions() == [0, 1, 2, 3]
-    assert store.read_record(1, "train")["result"]["loss"] == rows[0]["loss"]
+@pytest.fixture(scope="module")
+def plain_run(ray_cluster, tmp_path_factory):
+    """One plain run of 2 iterations on 2 engines, its actors left up, shared by the
+    three tests below (every actor start is a process importing torch). They run in
+    file order: the last one continues the run."""
+    tmp = tmp_path_factory.mktemp("plain")
+    cfg = tiny_cfg(tmp, "plain", **{"engines.num_engines": 2})
+    ctx, rows, _ = run_plain(cfg, quiet=True, keep_actors=True)
+    yield tmp, cfg, ctx, rows
+    ctx.trainer().shutdown()
+    ctx.engines().shutdown()
 
 
-def test_verify_fails_when_an_engine_is_left_on_an_old_version(ray_cluster, tmp_path):
-    cfg = tiny_cfg(tmp_path, "stale", **{"engines.num_engines": 2})
-    ctx, _, _ = run_plain(cfg, quiet=True)
+def test_publish_writes_manifest_last(plain_run):
+    _, _, ctx, _ = plain_run
+    vdir = ctx.store.local_version_dir(1)
+    manifest = json.loads(open(f"{vdir}/manifest.json").read())
+    names = {f["name"] for f in manifest["files"]}
+    assert "config.json" in names and any(n.endswith(".safetensors") for n in names)
+    import os
+
+    mtimes = {n: os.stat(f"{vdir}/{n}").st_mtime_ns for n in names}
+    assert os.stat(f"{vdir}/manifest.json").st_mtime_ns >= max(mtimes.values())
+
+
+def test_verify_fails_when_an_engine_is_left_on_an_old_version(ray_cluster, plain_run):
+    _, cfg, _, _ = plain_run
     ctx = prepare_run(cfg)
     for e in (0, 1):
         assert steps.verify_engine(ctx, 2, e)["verified"]
@@ -71,17 +72,26 @@ def test_verify_fails_when_an_engine_is_left_on_an_old_version(ray_cluster, tmp_
         steps.verify_engine(ctx, 2, 1)
 
 
-def test_publish_writes_manifest_last(ray_cluster, tmp_path):
-    cfg = tiny_cfg(tmp_path, "manifest", **{"run.iterations": 1})
-    ctx, _, _ = run_plain(cfg, quiet=True)
-    vdir = ctx.store.local_version_dir(1)
-    manifest = json.loads(open(f"{vdir}/manifest.json").read())
-    names = {f["name"] for f in manifest["files"]}
-    assert "config.json" in names and any(n.endswith(".safetensors") for n in names)
-    import os
-
-    mtimes = {n: os.stat(f"{vdir}/{n}").st_mtime_ns for n in names}
-    assert os.stat(f"{vdir}/manifest.json").st_mtime_ns >= max(mtimes.values())
+def test_plain_run_commits_versions_and_resumes(plain_run):
+    tmp, cfg, ctx, rows = plain_run
+    store = ctx.store
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert store.committed_versions() == [0, 1, 2]
+    assert [m["iteration"] for m in store.read_metrics()] == [1, 2]
+    run_json = store.read_run_json()
+    assert run_json["config"]["run"]["name"] == "plain"
+    # every sample of rollout k came from version k-1
+    for k in (1, 2):
+        batch = store.read_rollouts(k)
+        assert {s["weight_version"] for s in batch["samples"]} == {k - 1}
+    # a second run of a finished run does nothing (and ends the actors, as a run does)
+    _, rows_again, _ = run_plain(cfg, quiet=True)
+    assert rows_again == []
+    # more iterations continue from the last one, on new actors (one engine now)
+    ctx3, rows3, _ = run_plain(tiny_cfg(tmp, "plain", **{"run.iterations": 3}), quiet=True)
+    assert [r["iteration"] for r in rows3] == [3]
+    assert ctx3.store.committed_versions() == [0, 1, 2, 3]
+    assert store.read_record(1, "train")["result"]["loss"] == rows[0]["loss"]
 
 
 def test_flow_run_runs_every_step_as_a_task_run_and_resumes(ray_cluster, prefect_api, tmp_path):
