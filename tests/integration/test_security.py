@@ -174,7 +174,10 @@ def test_a_published_version_with_its_manifest_gone_is_republished_not_replaced(
     ray_cluster, tmp_path
 ):
     cfg = tiny_cfg(tmp_path, "gone")
-    ctx, _, _ = run_plain(cfg, quiet=True)
+    # The engine stays up for the continued run (an engine start is a process importing
+    # torch); the trainer goes, so v2 is rebuilt from checkpoint 2.
+    ctx, _, _ = run_plain(cfg, quiet=True, keep_actors=True)
+    ctx.trainer().shutdown()
     store = ctx.store
     files = store.read_manifest(2).file_set()
     os.remove(Path(store.local_version_dir(2)) / "manifest.json")
@@ -278,7 +281,9 @@ def test_a_run_whose_lease_was_taken_over_stops_writing(ray_cluster, tmp_path):
 
 def test_a_checkpoint_fallback_warning_is_part_of_the_step_result(ray_cluster, tmp_path):
     cfg = tiny_cfg(tmp_path, "fallback", **{"run.iterations": 1})
-    ctx, _, _ = run_plain(cfg, quiet=True)  # checkpoint 1 committed; the trainer is shut down
+    # Checkpoint 1 committed; the trainer is shut down, the engine kept for the next run.
+    ctx, _, _ = run_plain(cfg, quiet=True, keep_actors=True)
+    ctx.trainer().shutdown()
     ckpt = Path(ctx.store.checkpoint_url(1))
     biggest = max((p for p in ckpt.iterdir() if p.name != "COMMIT"), key=lambda p: p.stat().st_size)
     data = bytearray(biggest.read_bytes())
