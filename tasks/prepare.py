@@ -58,15 +58,19 @@ def base_model_path(cfg: RunConfig) -> str:
                 "unset for the tiny model"
             )
         return str(p.resolve())
-    from rollout.tools import demonstrations
-    from training.tiny_model import WARM_START_BATCH, write_tiny_model
-
-    name, demos = f"tiny-model-seed{cfg.run.seed}", []
+    name = f"tiny-model-seed{cfg.run.seed}"
     if cfg.model.warm_start == "calculator":  # the name changes whenever the demonstrations do
         name += f"-calculator-v{WARM_START_VERSION}"
-        demos = demonstrations(WARM_START_STEPS * WARM_START_BATCH, cfg.run.seed)
     out = Path(os.path.expanduser("~/.cache/prefect-rl")) / name
     if not (out / "model.safetensors").is_file():
+        # Imported only to build it: torch and transformers cost a flow process
+        # ~4 CPU seconds, and a resumed run's process needs neither.
+        from rollout.tools import demonstrations
+        from training.tiny_model import WARM_START_BATCH, write_tiny_model
+
+        demos = []
+        if cfg.model.warm_start == "calculator":
+            demos = demonstrations(WARM_START_STEPS * WARM_START_BATCH, cfg.run.seed)
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         write_tiny_model(tmp, seed=cfg.run.seed, demonstrations=demos)
         os.replace(tmp, out) if not out.exists() else None
