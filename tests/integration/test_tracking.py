@@ -204,7 +204,9 @@ def test_a_real_run_logs_each_iteration_once_across_a_resume(ray_cluster, tmp_pa
         "rollout.n_samples_per_prompt": 4,
         "tracking.tensorboard.enabled": True,
     }
-    run_plain(load_config("configs/tiny-cpu.yaml", over), quiet=True)
+    # The continued run reuses the first one's actors (each start is a process importing
+    # torch); what is tested is the trackers' files, and the second run ends the actors.
+    run_plain(load_config("configs/tiny-cpu.yaml", over), quiet=True, keep_actors=True)
     run_plain(load_config("configs/tiny-cpu.yaml", {**over, "run.iterations": 3}), quiet=True)
     folder = tmp_path / "tracked" / "tensorboard"
     acc = EventAccumulator(str(folder), purge_orphaned_data=False).Reload()
