@@ -1,8 +1,9 @@
 """The fault matrix's shared parts: the small run every row makes (``BASE`` plus
 ``overrides``), where each step's fault fires (``PLAN``, ``KILL_PLAN``), the
-checks every row ends with, and the uninterrupted run's final weights
+checks every row ends with, and the uninterrupted run's weights of every version
 (``reference_weights``), made once per pytest run and read by every file of the
-matrix (``test_faults.py``, ``test_faults_sigkill.py``), on any xdist worker."""
+matrix (``test_faults.py``, ``test_faults_sigkill.py``) and by ``test_multinode.py``
+(its shorter run's last version is this run's), on any xdist worker."""
 
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ def overrides(root: Path, name: str, faults: list[dict] | None = None) -> dict:
     }
 
 
-def final_weights(store) -> dict[str, str]:
-    manifest = store.read_manifest(ITERATIONS)
+def final_weights(store, version: int = ITERATIONS) -> dict[str, str]:
+    """The safetensors files of ``version`` (the last by default), by name: their sha256."""
+    manifest = store.read_manifest(version)
     return {f.name: f.sha256 for f in manifest.files if f.name.endswith(".safetensors")}
 
 
@@ -75,9 +77,10 @@ def assert_records_complete(store) -> None:
     assert len(metrics_lines) == ITERATIONS
 
 
-def reference_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The uninterrupted run's final weights, made by the first caller of this pytest
-    run; the others wait for it and read them (the run is tens of seconds on 2 cores).
+def reference_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, str]]:
+    """The uninterrupted run's weights by version (1..ITERATIONS), made by the first
+    caller of this pytest run; the others wait for it and read them (the run is tens
+    of seconds on 2 cores).
     xdist workers share the folder above their own temporary folders; it is new for
     every pytest run, so no run reads another's weights."""
     own = tmp_path_factory.getbasetemp()
@@ -85,10 +88,9 @@ def reference_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str
     path = shared / "fault-matrix-reference.json"
     with open(f"{path}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if path.exists():
-            return json.loads(path.read_text())
-        root = tmp_path_factory.mktemp("ref")
-        ctx, _, _ = run_plain(load_config(BASE, overrides(root, "ref")), quiet=True)
-        weights = final_weights(ctx.store)
-        path.write_text(json.dumps(weights))
-        return weights
+        if not path.exists():
+            root = tmp_path_factory.mktemp("ref")
+            ctx, _, _ = run_plain(load_config(BASE, overrides(root, "ref")), quiet=True)
+            versions = range(1, ITERATIONS + 1)
+            path.write_text(json.dumps({v: final_weights(ctx.store, v) for v in versions}))
+        return {int(v): weights for v, weights in json.loads(path.read_text()).items()}

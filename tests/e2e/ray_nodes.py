@@ -37,19 +37,24 @@ def can_isolate() -> bool:
 
 
 class RayNodes:
-    """Head plus named worker nodes; ``address`` is the head's GCS address."""
+    """Head plus named worker nodes; ``address`` is the head's GCS address. The head
+    can be one of the hosts (its CPUs, resources and private folders, as ``add``
+    takes them): a node start is several processes, seconds of CPU on 2 cores."""
 
-    def __init__(self, workdir: Path, head_cpus: int = 0) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        head_cpus: float = 0,
+        resources: dict[str, float] | None = None,
+        private: dict[str, Path] | None = None,
+    ) -> None:
         self.workdir = workdir
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
         self.procs: dict[str, subprocess.Popen] = {}
-        self._start(
-            "head",
-            ["--head", f"--port={self.port}", f"--num-cpus={head_cpus}"],
-            {**self.env, **HEAD_ENV},
-        )
+        args = ["--head", f"--port={self.port}", *_offers(head_cpus, resources or {})]
+        self._start("head", args, {**self.env, **HEAD_ENV}, private or {})
 
     def add(
         self,
@@ -59,11 +64,7 @@ class RayNodes:
         private: dict[str, Path] | None = None,
     ) -> None:
         """Start worker node ``name`` offering ``cpus`` CPUs and ``resources``."""
-        args = [
-            f"--address={self.address}",
-            f"--num-cpus={cpus:g}",
-            f"--resources={json.dumps(resources)}",
-        ]
+        args = [f"--address={self.address}", *_offers(cpus, resources)]
         self._start(name, args, self.env, private or {})
 
     def lose(self, name: str) -> None:
@@ -88,7 +89,10 @@ class RayNodes:
         private: dict[str, Path] | None = None,
     ) -> None:
         log = self.workdir / f"ray-{name}.log"
+        # No log monitor: every driver here joins with log_to_driver=False, so no one
+        # reads what it would forward, and it polls the node's log files all along.
         cmd = [str(BIN / "ray"), "start", "--block", "--disable-usage-stats", *args]
+        cmd.append("--include-log-monitor=false")
         if name == "head":
             cmd.append("--include-dashboard=false")
         if private:
@@ -119,3 +123,8 @@ class RayNodes:
                 stop(proc)
                 if attempt == 2 or "timed out during startup" not in str(e):
                     raise
+
+
+def _offers(cpus: float, resources: dict[str, float]) -> list[str]:
+    """``ray start`` flags for a node offering ``cpus`` CPUs and ``resources``."""
+    return [f"--num-cpus={cpus:g}", f"--resources={json.dumps(resources)}"]
