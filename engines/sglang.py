@@ -23,6 +23,7 @@ script through ``engines.sglang.launch_command`` instead.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -49,8 +50,10 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _control = ray.method(concurrency_group=CONTROL_GROUP)
 
 
+@functools.cache
 def actor_class() -> Any:
-    """SGLangEngine as a threaded Ray actor with the embedded engine's control group."""
+    """SGLangEngine as a threaded Ray actor with the embedded engine's control group
+    (built once, as ``engines.embedded.actor_class`` is)."""
     return ray.remote(
         max_concurrency=GENERATE_CONCURRENCY,
         concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY},
