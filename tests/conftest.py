@@ -59,10 +59,12 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def prefect_server(tmp_path_factory):
     """One Prefect server (SQLite, a temporary PREFECT_HOME) for the whole session:
     in-process flow runs and the e2e worker's flow runs share it (tests tell their
-    runs apart by run name). A server start costs tens of seconds on 2 cores."""
-    from tests.e2e.services import PrefectServer
+    runs apart by run name). A server start costs tens of seconds on 2 cores; all but
+    the first of a pytest run start on the first's migrated database."""
+    from tests.e2e.services import PrefectServer, migrated_db
 
-    server = PrefectServer(tmp_path_factory.mktemp("prefect-server")).start()
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-server"))
+    server.start_seeded(migrated_db(tmp_path_factory))
     yield server
     server.close()
 

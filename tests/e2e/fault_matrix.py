@@ -7,15 +7,14 @@ matrix (``test_faults.py``, ``test_faults_sigkill.py``) and by ``test_multinode.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from flows.config import load_config
 from flows.driver import run_plain
+from tests.e2e.services import locked, run_dir
 
 ITERATIONS = 6
 # One step per iteration; save is due at even iterations (save_interval 2).
@@ -83,11 +82,8 @@ def reference_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dic
     of seconds on 2 cores).
     xdist workers share the folder above their own temporary folders; it is new for
     every pytest run, so no run reads another's weights."""
-    own = tmp_path_factory.getbasetemp()
-    shared = own.parent if os.environ.get("PYTEST_XDIST_WORKER") else own
-    path = shared / "fault-matrix-reference.json"
-    with open(f"{path}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    path = run_dir(tmp_path_factory) / "fault-matrix-reference.json"
+    with locked(path):
         if not path.exists():
             root = tmp_path_factory.mktemp("ref")
             ctx, _, _ = run_plain(load_config(BASE, overrides(root, "ref")), quiet=True)

@@ -7,9 +7,13 @@ that `ray start` wrote is removed with the head, as `ray stop` does."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -77,6 +81,46 @@ def kill_session(sid: int, timeout: float = 10) -> None:
         time.sleep(0.1)
 
 
+def settled_session(sid: int, timeout: float = 90) -> list[int]:
+    """The processes left in session ``sid`` once they stop ending (or ``timeout`` passed)."""
+    deadline = time.monotonic() + timeout
+    while (left := session_pids(sid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def rl_run_args(config: str, over: dict) -> list[str]:
+    """``prefect-rl run CONFIG --set key=value ...``, each value as JSON (which is YAML)."""
+    args = [str(BIN / "prefect-rl"), "run", config]
+    for key, value in over.items():
+        args += ["--set", f"{key}={json.dumps(value)}"]
+    return args
+
+
+def run_to_exit(
+    args: list[str], env: dict[str, str], settle: bool = False, timeout: float = 600
+) -> tuple[int, str, list[int]]:
+    """Run ``args`` in a session of its own until it exits (a SIGKILL included): its
+    return code, its stderr and, with ``settle``, what was still running in its session
+    once processes stopped ending. Whatever is left is SIGKILLed before this returns."""
+    proc = subprocess.Popen(
+        args,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        left = settled_session(proc.pid) if settle else []
+    finally:
+        proc.kill()
+        kill_session(proc.pid)
+    return proc.returncode, err, left
+
+
 def stop(proc: subprocess.Popen, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
     """Stop a process started in a session of its own: the given signals to its
     group, then SIGKILL to whatever is left of its session."""
@@ -121,16 +165,38 @@ def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     )
 
 
+def run_dir(tmp_path_factory) -> Path:
+    """The folder every xdist worker of this pytest run shares: the one above their own
+    temporary folders (new for every pytest run), or the run's own without xdist."""
+    own = tmp_path_factory.getbasetemp()
+    return own.parent if os.environ.get("PYTEST_XDIST_WORKER") else own
+
+
+def migrated_db(tmp_path_factory) -> Path:
+    """Where the first Prefect server of this pytest run leaves its migrated database
+    (``PrefectServer.start_seeded``); it is there once the session's server runs."""
+    return run_dir(tmp_path_factory) / "prefect-migrated.db"
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold ``<path>.lock``: one xdist worker at a time makes or reads ``path``."""
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 class PrefectServer:
     """``prefect server start`` on a free loopback port with a PREFECT_HOME of its own."""
 
     def __init__(self, workdir: Path):
         self.workdir = workdir
+        self.home = workdir / "prefect-home"
         self.port = free_port()
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         self.env = {
             **os.environ,
-            "PREFECT_HOME": str(workdir / "prefect-home"),
+            "PREFECT_HOME": str(self.home),
             "PREFECT_API_URL": self.api_url,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         }
@@ -148,6 +214,24 @@ class PrefectServer:
             log,
         )
         return self
+
+    def start_seeded(self, db: Path) -> PrefectServer:
+        """Start on a copy of the migrated database ``db``; the first server of a pytest
+        run (``db`` not there yet) migrates its own and leaves a copy there."""
+        with locked(db):
+            if db.exists():
+                # Migrating an empty database is half a start (~5 CPU s on 2 cores).
+                self.home.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(db, self.home / "prefect.db")
+            else:
+                self.start()
+                # SQLite's online backup: a consistent copy of a database in use.
+                with sqlite3.connect(self.home / "prefect.db") as src:
+                    with sqlite3.connect(f"{db}.tmp") as dst:
+                        src.backup(dst)
+                os.replace(f"{db}.tmp", db)
+                return self
+        return self.start()
 
     def close(self) -> None:
         if self.proc is not None:

@@ -5,22 +5,16 @@ a file of its own, so that an xdist worker runs it beside test_faults.py."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from flows.config import load_config
 from tests.e2e.fault_matrix import BASE, PLAN, assert_records_complete, final_weights, overrides
-from tests.e2e.services import kill_session, session_pids
+from tests.e2e.services import rl_run_args, run_to_exit
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def describe(pids: list[int]) -> str:
@@ -33,14 +27,6 @@ def describe(pids: list[int]) -> str:
     return "\n".join(out)
 
 
-def wait_for_empty_session(sid: int, timeout: float = 90) -> list[int]:
-    """The processes left in session ``sid`` once they stop ending (or ``timeout`` passed)."""
-    deadline = time.monotonic() + timeout
-    while (left := session_pids(sid)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
-
-
 def test_sigkilled_flow_process_resumes_and_leaves_nothing_running(
     ray_cluster, prefect_api, matrix_reference, tmp_path
 ):
@@ -51,9 +37,7 @@ def test_sigkilled_flow_process_resumes_and_leaves_nothing_running(
 
     faults = [{"step": s, "iteration": k, "kind": "sigkill"} for s, k in PLAN.items()]
     over = overrides(tmp_path, "faults-sigkill", faults)
-    cli = [str(Path(sys.executable).parent / "prefect-rl"), "run", BASE]
-    for key, value in over.items():
-        cli += ["--set", f"{key}={json.dumps(value)}"]  # JSON is YAML
+    cli = rl_run_args(BASE, over)
     alone = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     alone["PREFECT_HOME"] = str(tmp_path / "prefect-home")  # no profile's server either
     # Prefect's temporary server gets 20 s to start by default; a loaded 2-core CI
@@ -64,30 +48,18 @@ def test_sigkilled_flow_process_resumes_and_leaves_nothing_running(
     codes = []
     for attempt in range(len(PLAN) + 2):
         first = attempt == 0
-        proc = subprocess.Popen(
-            cli if first else cli + joined,
-            cwd=ROOT,
-            env=alone if first else shared,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
+        code, err, left = run_to_exit(
+            cli if first else cli + joined, alone if first else shared, settle=first
         )
-        try:
-            _, err = proc.communicate(timeout=600)
-            left = wait_for_empty_session(proc.pid) if first else []
-        finally:
-            proc.kill()
-            kill_session(proc.pid)
-        codes.append(proc.returncode)
+        codes.append(code)
         if first:
             # The temporary Prefect server, the local Ray cluster (GCS, raylet,
             # agents, workers) and the engines all ended with the killed run.
-            assert proc.returncode == -9, err[-3000:]
+            assert code == -9, err[-3000:]
             assert left == [], f"left running after the SIGKILL:\n{describe(left)}"
-        if proc.returncode == 0:
+        if code == 0:
             break
-        assert proc.returncode == -9, err[-3000:]
+        assert code == -9, err[-3000:]
     assert codes == [-9] * len(PLAN) + [0], codes
     from storage.run_store import RunStore
 

@@ -30,7 +30,7 @@ from flows.config import load_config
 from tests.e2e.fault_matrix import BASE, final_weights
 from tests.e2e.fault_matrix import overrides as fault_overrides
 from tests.e2e.ray_nodes import RayNodes, can_isolate
-from tests.e2e.services import BIN, ROOT, worker_stack
+from tests.e2e.services import ROOT, rl_run_args, worker_stack
 
 pytestmark = [
     pytest.mark.slow,
@@ -205,9 +205,7 @@ def test_deployments_act_on_the_engines_left_on_the_cluster(stack, s3, healed_ru
 def run_plain_cli(over: dict) -> subprocess.CompletedProcess:
     """``prefect-rl run --plain`` (no Prefect: these runs test the cluster, not the
     deployment, and a flow run process costs seconds on 2 cores)."""
-    cli = [str(BIN / "prefect-rl"), "run", BASE, "--plain"]
-    for key, value in over.items():
-        cli += ["--set", f"{key}={json.dumps(value)}"]  # JSON is YAML
+    cli = [*rl_run_args(BASE, over), "--plain"]
     return subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

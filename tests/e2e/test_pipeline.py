@@ -6,10 +6,7 @@ uninterrupted run."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,10 +22,9 @@ from tests.e2e.fault_matrix import (
     final_weights,
     overrides,
 )
-from tests.e2e.services import kill_session
+from tests.e2e.services import rl_run_args, run_to_exit
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def pipelined(root: Path, name: str, faults: list[dict] | None = None) -> dict:
@@ -94,28 +90,12 @@ def test_sigkill_while_rollout_and_train_overlap_resumes_byte_identical(
         tmp_path, "pipe-sigkill", [{"step": "rollout", "iteration": 4, "kind": "sigkill"}]
     )
     over["ray.address"] = ray_cluster.get_runtime_context().gcs_address
-    cli = [str(Path(sys.executable).parent / "prefect-rl"), "run", BASE]
-    for key, value in over.items():
-        cli += ["--set", f"{key}={json.dumps(value)}"]
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     codes = []
     for _ in range(2):
-        proc = subprocess.Popen(
-            cli,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            _, err = proc.communicate(timeout=600)
-        finally:
-            proc.kill()
-            kill_session(proc.pid)
-        codes.append(proc.returncode)
-        assert proc.returncode in (0, -9), err[-3000:]
+        code, err, _ = run_to_exit(rl_run_args(BASE, over), env)
+        codes.append(code)
+        assert code in (0, -9), err[-3000:]
     assert codes == [-9, 0], codes
     store = store_of(over)
     # Killed beside train[3]: iteration 3 was not committed when the process died.
