@@ -82,22 +82,28 @@ def prefect_api(prefect_server):
 
 
 # The files that take minutes, longest first (seconds: a file's setup, call and
-# teardown times summed, one full run on 2 cores at load 9-11, 3 workers). `scripts/test.sh` runs xdist with whole files per
-# worker in this order (--no-loadscope-reorder: xdist's default hands out files with
-# many tests first, which leaves these few-test files for the end, one worker each).
-# Started first, they run side by side while the quick files fill the other workers.
+# teardown times summed, in the full run of 2026-12-03 17:00 UTC: 4 workers on 2
+# cores of a machine others also used; test_multinode.py scaled by its alone run,
+# 268 -> 203 s, after it dropped a node and its own reference run). `scripts/test.sh`
+# runs xdist with whole files per worker in this order (--no-loadscope-reorder:
+# xdist's default hands out files with many tests first, which leaves these few-test
+# files for the end, one worker each). Started first, they run side by side while the
+# quick files fill the other workers. The first four start together: whichever of
+# test_faults_sigkill.py and test_multinode.py needs it first makes the fault
+# matrix's reference run; the other and test_faults.py read it.
 LONGEST_FILES = [
-    "tests/e2e/test_faults_sigkill.py",  # 556 (it makes the matrix's reference run)
-    "tests/e2e/test_multinode.py",  # 554
-    "tests/e2e/test_deployments.py",  # 518
-    "tests/e2e/test_algorithms.py",  # 364
-    "tests/e2e/test_faults.py",  # 330 (reads the reference test_faults_sigkill.py made)
-    "tests/integration/test_weight_transports.py",  # 293
-    "tests/e2e/test_pipeline.py",  # 263
-    "tests/integration/test_security.py",  # 212
-    "tests/integration/test_colocate.py",  # 203
-    "tests/integration/test_run.py",  # 125
-    "tests/e2e/test_agentic.py",  # 98
+    "tests/e2e/test_deployments.py",  # 642
+    "tests/e2e/test_multinode.py",  # ~550 (727 before)
+    "tests/e2e/test_faults_sigkill.py",  # 485
+    "tests/e2e/test_pipeline.py",  # 467
+    "tests/e2e/test_faults.py",  # 441
+    "tests/integration/test_weight_transports.py",  # 423
+    "tests/e2e/test_algorithms.py",  # 404
+    "tests/engines/test_http_launcher.py",  # 256
+    "tests/integration/test_run.py",  # 246
+    "tests/integration/test_colocate.py",  # 238
+    "tests/integration/test_security.py",  # 226
+    "tests/e2e/test_agentic.py",  # 148
 ]
 
 
