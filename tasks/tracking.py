@@ -358,8 +358,8 @@ def log_iteration(cfg: _HasTracking, k: int, row: dict[str, Any]) -> list[str]:
 
 
 def close() -> None:
-    """Close every tracker this process opened (end of a run, or before a resume).
-    One tracker failing to close (a server gone) does not keep the others open."""
+    """Close every tracker this process opened (end of a run, or before a resume); one
+    failing to close (a server gone) does not keep the others open."""
     with _OPEN_LOCK:
         opened = list(_OPEN.values())
         _OPEN.clear()
@@ -368,11 +368,12 @@ def close() -> None:
             trackers.close()
         except Exception as e:  # closing is best effort: the data was flushed per row
             log.warning("closing the trackers of run %s failed: %s", trackers.run_name, e)
-    # W&B's finish() can return before its writer process has written the last row
-    # (seen: a resumed session's row missing right after close); teardown waits for it
-    # and stops that process, so nothing is left running.
+    # finish() may return before W&B's writer has the last row: teardown waits and stops it
     if opened and "wandb" in sys.modules:
-        sys.modules["wandb"].teardown()
+        try:
+            sys.modules["wandb"].teardown()
+        except Exception as e:  # best effort, as above
+            log.warning("stopping W&B's writer process failed: %s", e)
 
 
 def check(cfg: _HasTracking) -> None:
