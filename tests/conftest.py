@@ -33,6 +33,9 @@ def ray_cluster():
             namespace="prefect-rl",
             log_to_driver=False,
         )
+        from tasks.cluster import stop_log_monitor
+
+        stop_log_monitor()  # the product's local clusters run without one too
     # No ray.shutdown() here: pytest_sessionfinish stops the cluster after every
     # other session fixture (some tear down actors) has finished with it.
     yield ray
