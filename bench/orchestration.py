@@ -43,12 +43,16 @@ def plain_block(ctx, ks: range) -> list[float]:
 
 def step_medians(store, ks: list[int]) -> dict[str, float]:
     """Median seconds of each committed step over iterations ``ks``, from the ledger
-    (the runner times the same span under both drivers: the step's own work)."""
+    (the runner times the same span under both drivers: the step's own work), and
+    of each of its phases as ``step.phase`` (``tasks.runner.phase``)."""
     per: dict[str, list[float]] = {}
     for k in ks:
         for key in store.committed_steps(k):
             rec = store.read_record(k, key) or {}
-            per.setdefault(key.split("-e")[0], []).append(float(rec.get("seconds", 0.0)))
+            step = key.split("-e")[0]
+            per.setdefault(step, []).append(float(rec.get("seconds", 0.0)))
+            for name, s in (rec.get("phases") or {}).items():
+                per.setdefault(f"{step}.{name}", []).append(float(s))
     return {key: statistics.median(xs) for key, xs in sorted(per.items())}
 
 
@@ -97,6 +101,7 @@ def main() -> None:
 
     from flows.config import load_config, parse_override
     from flows.rl_training import rl_training
+    from tasks import retention
     from tasks.prepare import prepare_run
 
     root = tempfile.mkdtemp(prefix="bench-orch-")
@@ -110,6 +115,7 @@ def main() -> None:
     cfg = load_config(args.config, overrides)
     ctx = prepare_run(cfg)
     plain = plain_block(ctx, range(1, n + 1))
+    retention.wait(ctx)  # storage.keep_last's pass in flight: only the holder deletes
     ctx.store.release_lease(ctx.owner)
 
     t0 = time.perf_counter()
@@ -121,6 +127,7 @@ def main() -> None:
     ctx = prepare_run(cfg)
     plain += plain_block(ctx, range(2 * n + 1, 3 * n + 1))
     floor = prefect_floor(ctx, n)
+    retention.wait(ctx)
     ctx.store.release_lease(ctx.owner)
     ctx.trainer().shutdown()
     ctx.engines().shutdown()

@@ -74,6 +74,13 @@ def run_one(config: str, overrides: dict[str, Any], staleness: int, n: int) -> d
     row["wall_over_max"] = row["wall_s"] / row["max_rollout_train_s"]
     row["wall_over_chain"] = row["wall_s"] / row["chain_s"]
     row["walls"] = out["seconds"]
+    # Where each step's seconds go (tasks.runner.phase), e.g. the finish step's retention.
+    phases: dict[str, list[float]] = {}
+    for k in range(skip + 1, last + 1):
+        for key in store.committed_steps(k):
+            for name, s in (store.read_record(k, key).get("phases") or {}).items():
+                phases.setdefault(f"{key}.{name}", []).append(s)
+    row["phases_s"] = {key: statistics.median(xs) for key, xs in sorted(phases.items())}
     return row
 
 
@@ -109,6 +116,10 @@ def main() -> None:
             f"{r['max_rollout_train_s']:.3f} | {r['wall_over_sum']:.2f}x | "
             f"{r['wall_over_max']:.2f}x | {r['wall_over_chain']:.2f}x |"
         )
+    for r in rows:  # the largest phases: where a step's seconds go
+        top = sorted(r["phases_s"].items(), key=lambda kv: -kv[1])[:8]
+        shown = ", ".join(f"{key} {s:.3f}" for key, s in top)
+        print(f"staleness {r['max_staleness']}, phases (median s): {shown}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps({"config": args.config, "set": args.set, "rows": rows}, indent=2)

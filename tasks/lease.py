@@ -13,6 +13,7 @@ import logging
 import threading
 
 from storage.errors import LeaseLostError
+from tasks import retention
 
 log = logging.getLogger("prefect_rl.lease")
 
@@ -53,6 +54,8 @@ class LeaseKeeper:
         return self
 
     def __exit__(self, *exc) -> None:
+        # Only the holder may delete: a retention pass in flight ends before the release.
+        retention.wait(self.ctx)
         self._stop.set()
         self._thread.join(timeout=5)
         if self.lost is None:  # a lost lease is the new holder's: leave it alone

@@ -20,13 +20,20 @@ Prefect tasks (``tasks.rl_tasks``) and the plain driver (``flows.driver``):
                       checked against the step's declared ``result`` model
                       (``tasks.types``), timed, written to ``ledger/iter_k/<key>.json``
 
+The record also holds ``phases``: seconds of turn, ready and work, and of any
+named part a work function marks with ``phase(name)`` (the finish step's
+metrics, trackers and retention). They show where a slow step spends its time
+without a profiler (``bench/orchestration.py`` prints them per driver).
+
 Nothing here imports Prefect; the Prefect tasks log the returned result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -40,6 +47,22 @@ Result = dict[str, Any]
 # ``ready`` returns the warnings it met (e.g. a corrupt checkpoint skipped).
 Ready = Callable[[Any, int, "int | None"], list[str]]
 Work = Callable[..., Result]
+# The phases of the step running on this thread (each step runs on its own thread,
+# whose context starts empty: no step sees another's).
+_PHASES: ContextVar[dict[str, float] | None] = ContextVar("step_phases", default=None)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Add the seconds of the block to the running step's ``phases`` under ``name``
+    (nothing outside a step)."""
+    phases = _PHASES.get()
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if phases is not None:
+            phases[name] = round(phases.get(name, 0.0) + time.perf_counter() - t0, 4)
 
 
 @dataclass(frozen=True)
@@ -78,9 +101,14 @@ def run(ctx, step: Step, k: int, engine_id: int | None = None, **inputs: Any) ->
         if record is not None:
             return {**record["result"], "cached": True, "step_s": record.get("seconds", 0.0)}
     t0 = time.perf_counter()
-    result = step.skip(ctx, k) if step.skip is not None else None
-    if result is None:
-        result = _execute(ctx, step, k, engine_id, inputs)
+    phases: dict[str, float] = {}
+    token = _PHASES.set(phases)
+    try:
+        result = step.skip(ctx, k) if step.skip is not None else None
+        if result is None:
+            result = _execute(ctx, step, k, engine_id, inputs)
+    finally:
+        _PHASES.reset(token)
     if step.result is not None:  # the declared shape, or a loud error before the commit
         result = step.result.model_validate(result).model_dump(exclude_unset=True)
     seconds = round(time.perf_counter() - t0, 4)
@@ -93,6 +121,7 @@ def run(ctx, step: Step, k: int, engine_id: int | None = None, **inputs: Any) ->
             "step": key,
             "result": result,
             "seconds": seconds,
+            "phases": phases,
             "committed_at": datetime.now(timezone.utc).isoformat(),
         },
         overwrite=step.audit,
@@ -104,14 +133,18 @@ def _execute(ctx, step: Step, k: int, engine_id: int | None, inputs: dict[str, A
     memory, warnings = None, []
     if step.needs is None or step.needs(ctx, k):
         if step.turn is not None:
-            memory = colocate.take_turn(ctx, step.turn, engine_id)
-        if step.ready is not None:
-            warnings = list(step.ready(ctx, k, engine_id) or [])
-            if step.turn is not None:
+            with phase("turn"):
                 memory = colocate.take_turn(ctx, step.turn, engine_id)
+        if step.ready is not None:
+            with phase("ready"):
+                warnings = list(step.ready(ctx, k, engine_id) or [])
+            if step.turn is not None:
+                with phase("turn"):
+                    memory = colocate.take_turn(ctx, step.turn, engine_id)
         if step.fault is not None:
             maybe_fail(ctx, step.fault, k, kill=_kill_target(ctx, step, engine_id))
-    result = step.work(ctx, k, engine_id, **inputs)
+    with phase("work"):
+        result = step.work(ctx, k, engine_id, **inputs)
     warnings += result.pop("warnings", None) or []
     extra: Result = {**colocate.recorded(memory)}
     if warnings:

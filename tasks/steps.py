@@ -19,7 +19,7 @@ from rollout.agent import tool_row_fields
 from rollout.evaluation import row_fields
 from rollout.procedure import VersionMismatch, generate_batch, summary
 from rollout.types import RolloutBatch
-from tasks import colocate, faults, runner, tracking
+from tasks import colocate, faults, retention, runner, tracking
 from tasks.engines import ensure_engine_serves, kill_train_rank0, target_version, transport_for
 from tasks.evaluation import EVALUATE
 from tasks.rollout_services import rollout_io
@@ -112,7 +112,8 @@ def _generate(ctx, k: int, engine_id: int | None) -> Result:
             restart,
             io=io,
         )
-    ctx.store.write_rollouts(k, out.batch.to_json())
+    with runner.phase("persist"):
+        ctx.store.write_rollouts(k, out.batch.to_json())
     return summary(out.batch, gen_s=out.gen_s, reused=False, environment=cfg.rollout.environment)
 
 
@@ -270,12 +271,18 @@ def _finish(ctx, k: int, engine_id: None, results: dict[str, Result]) -> Result:
         **row_fields(results.get("evaluate")),
         **tool_row_fields(r.get("tools")),
     }
-    ctx.store.append_metrics(k, row)
+    with runner.phase("metrics"):
+        ctx.store.append_metrics(k, row)
     # Before the iteration's commit; a tracker skips an iteration it already holds.
-    tracking.log_iteration(ctx.cfg, k, row)
-    if ctx.cfg.storage.keep_last:
-        ctx.gc(ctx.cfg.storage.keep_last)  # PPO: the critic's checkpoints too
-    return row
+    with runner.phase("trackers"):
+        tracking.log_iteration(ctx.cfg, k, row)
+    if not ctx.cfg.storage.keep_last:
+        return row
+    # In the background (tasks.retention): the commit does not wait for deletions.
+    # The phase is the wait for the previous iteration's pass, if it is still running.
+    with runner.phase("retention"):
+        warnings = retention.start(ctx, ctx.cfg.storage.keep_last)  # PPO: the critic's too
+    return {**row, "warnings": warnings} if warnings else row
 
 
 # -- the declarations: what each step is --------------------------------------------

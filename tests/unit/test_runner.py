@@ -105,3 +105,26 @@ def test_a_result_of_the_wrong_shape_is_refused_before_the_commit(tmp_path):
     with pytest.raises(ValueError, match="reload_s"):
         runner.run(ctx, step, 1)
     assert ctx.store.read_record(1, "r") is None
+
+
+def test_the_record_says_where_the_step_spent_its_seconds(tmp_path):
+    """``phases``: ready and work by the runner, named parts by the work itself."""
+    import time
+
+    def work(ctx, k, e):
+        with runner.phase("upload"):
+            time.sleep(0.05)
+        with runner.phase("upload"):  # a phase entered twice adds up
+            time.sleep(0.05)
+        return {"ok": True}
+
+    ctx = make_ctx(tmp_path)
+    step = Step("s", "s_task", work, ready=lambda ctx, k, e: time.sleep(0.02) or [])
+    runner.run(ctx, step, 1)
+    record = ctx.store.read_record(1, "s")
+    phases = record["phases"]
+    assert set(phases) == {"ready", "work", "upload"}
+    assert phases["upload"] >= 0.1 and phases["ready"] >= 0.02
+    assert phases["upload"] <= phases["work"] <= record["seconds"]
+    with runner.phase("upload"):  # outside a step: nothing to record, no error
+        pass
