@@ -16,10 +16,12 @@ rollout of iteration k's unit is rollout[k+1]). The goals read:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,34 @@ def unit_seconds(store, k: int, staleness: int, iterations: int) -> dict[str, fl
     return out
 
 
+@contextlib.contextmanager
+def commit_timer():
+    """Seconds spent in ``RunStore.write_record`` and ``append_metrics``, by iteration
+    (patched on the class for the run's duration, in this process: the flow's)."""
+    from storage.run_store import RunStore
+
+    spent: dict[int, float] = {}
+    saved = {name: getattr(RunStore, name) for name in ("write_record", "append_metrics")}
+
+    def timed(fn):
+        def wrapper(self, k, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, k, *args, **kwargs)
+            finally:
+                spent[k] = spent.get(k, 0.0) + time.perf_counter() - t0
+
+        return wrapper
+
+    for name, fn in saved.items():
+        setattr(RunStore, name, timed(fn))
+    try:
+        yield spent
+    finally:
+        for name, fn in saved.items():
+            setattr(RunStore, name, fn)
+
+
 def run_one(config: str, overrides: dict[str, Any], staleness: int, n: int) -> dict[str, Any]:
     from flows.config import load_config
     from flows.rl_training import rl_training
@@ -52,7 +82,8 @@ def run_one(config: str, overrides: dict[str, Any], staleness: int, n: int) -> d
         "run.iterations": n,
         "rollout.max_staleness": staleness,
     }
-    out = rl_training(config_path=config, overrides=over)
+    with commit_timer() as commits:
+        out = rl_training(config_path=config, overrides=over)
     cfg = load_config(config, over)
     store = RunStore(cfg.storage, cfg.run.name)
     skip = 2  # actor start, first task runs, the first batch made before any overlap
@@ -74,6 +105,9 @@ def run_one(config: str, overrides: dict[str, Any], staleness: int, n: int) -> d
     row["wall_over_max"] = row["wall_s"] / row["max_rollout_train_s"]
     row["wall_over_chain"] = row["wall_s"] / row["chain_s"]
     row["walls"] = out["seconds"]
+    # The ledger's own writes (fsynced records and metrics rows) are outside every
+    # step's seconds: their sum per iteration, beside the wall.
+    row["commit_s"] = statistics.median(commits.get(k, 0.0) for k in range(skip + 1, last + 1))
     # Where each step's seconds go (tasks.runner.phase), e.g. the finish step's retention.
     phases: dict[str, list[float]] = {}
     for k in range(skip + 1, last + 1):
@@ -120,6 +154,7 @@ def main() -> None:
         top = sorted(r["phases_s"].items(), key=lambda kv: -kv[1])[:8]
         shown = ", ".join(f"{key} {s:.3f}" for key, s in top)
         print(f"staleness {r['max_staleness']}, phases (median s): {shown}")
+        print(f"staleness {r['max_staleness']}, ledger writes per iteration: {r['commit_s']:.3f} s")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps({"config": args.config, "set": args.set, "rows": rows}, indent=2)
