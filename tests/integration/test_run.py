@@ -87,10 +87,16 @@ def test_plain_run_commits_versions_and_resumes(plain_run):
     # a second run of a finished run does nothing (and ends the actors, as a run does)
     _, rows_again, _ = run_plain(cfg, quiet=True)
     assert rows_again == []
-    # more iterations continue from the last one, on new actors (one engine now)
-    ctx3, rows3, _ = run_plain(tiny_cfg(tmp, "plain", **{"run.iterations": 3}), quiet=True)
+    # more iterations continue from the last one, on new actors (one engine now),
+    # keeping the last two versions: retention runs behind finish[3]'s commit and
+    # has ended by the time the run (and its lease) has
+    more = {"run.iterations": 3, "storage.keep_last": 2}
+    ctx3, rows3, _ = run_plain(tiny_cfg(tmp, "plain", **more), quiet=True)
     assert [r["iteration"] for r in rows3] == [3]
-    assert ctx3.store.committed_versions() == [0, 1, 2, 3]
+    assert ctx3.store.committed_versions() == [2, 3]
+    assert ctx3.store.committed_checkpoints() == [2, 3]
+    assert ctx3.store.read_lease().released
+    assert "retention" in store.read_record(3, "iteration")["phases"]
     assert store.read_record(1, "train")["result"]["loss"] == rows[0]["loss"]
 
 
