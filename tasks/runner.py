@@ -47,8 +47,8 @@ Result = dict[str, Any]
 # ``ready`` returns the warnings it met (e.g. a corrupt checkpoint skipped).
 Ready = Callable[[Any, int, "int | None"], list[str]]
 Work = Callable[..., Result]
-# The phases of the step running on this thread (each step runs on its own thread,
-# whose context starts empty: no step sees another's).
+# The phases of the step running on this thread: ``run`` sets it for the step's
+# duration and resets it after, so steps on other threads never see each other's.
 _PHASES: ContextVar[dict[str, float] | None] = ContextVar("step_phases", default=None)
 
 
