@@ -72,6 +72,7 @@ def commit_timer():
 
 
 def run_one(config: str, overrides: dict[str, Any], staleness: int, n: int) -> dict[str, Any]:
+    from bench.orchestration import step_medians
     from flows.config import load_config
     from flows.rl_training import rl_training
     from storage.run_store import RunStore
@@ -109,12 +110,8 @@ def run_one(config: str, overrides: dict[str, Any], staleness: int, n: int) -> d
     # step's seconds: their sum per iteration, beside the wall.
     row["commit_s"] = statistics.median(commits.get(k, 0.0) for k in range(skip + 1, last + 1))
     # Where each step's seconds go (tasks.runner.phase), e.g. the finish step's retention.
-    phases: dict[str, list[float]] = {}
-    for k in range(skip + 1, last + 1):
-        for key in store.committed_steps(k):
-            for name, s in (store.read_record(k, key).get("phases") or {}).items():
-                phases.setdefault(f"{key}.{name}", []).append(s)
-    row["phases_s"] = {key: statistics.median(xs) for key, xs in sorted(phases.items())}
+    medians = step_medians(store, list(range(skip + 1, last + 1)))
+    row["phases_s"] = {key: s for key, s in medians.items() if "." in key}
     return row
 
 
