@@ -13,6 +13,9 @@ every phase is timed alone:
   one Ray call per update whose handle the consumer has cached, and the
   consumer's weights, bound into flats of the same layout, take one device copy
   per dtype.
+- ``socket`` (what the resident path does with an embedded engine): the same,
+  but the update is one line on the consumer's Unix socket
+  (``engines.update_socket``) instead of a Ray call.
 
 Each phase is the median over ``--repeats`` pushes after one warm-up push, beside
 a device copy (memcpy on CPU) of the same bytes measured in the same run.
@@ -62,6 +65,18 @@ class Consumer:
         t2 = time.perf_counter()
         named.clear()
         return {"open": t1 - t0, "copy": t2 - t1}
+
+    def start_socket(self) -> dict:
+        from engines.update_socket import UpdateSocket
+
+        def handler(channel: str, key: str, flush: bool, version: str | None) -> dict:
+            part = {"metadata": None}
+            return self.apply_resident(
+                [{"cache": {"channel": channel, "key": key}, "parts": [part]}]
+            )
+
+        self.socket = UpdateSocket(handler)
+        return self.socket.address()
 
     def apply_resident(self, handles: list) -> dict:
         from engines.weight_cache import ReceiverCache
@@ -132,9 +147,10 @@ class Producer:
         ph["buckets"] = nb
         return ph
 
-    def push_resident(self, consumer) -> dict:
+    def push_resident(self, consumer, address: dict | None = None) -> dict:
         import ray
 
+        from engines.update_socket import UpdateClient
         from training.weight_staging import Layout, Staging
 
         ph = {}
@@ -154,7 +170,17 @@ class Producer:
         h = self.staging.handle(full=not self.staging.acked)
         self.staging.acked.add("consumer")
         t3 = time.perf_counter()
-        inner = ray.get(consumer.apply_resident.remote([h]))
+        if (
+            address is not None
+            and "consumer" in self.staging.acked
+            and h["parts"][0]["metadata"] is None
+        ):
+            if getattr(self, "client", None) is None:
+                self.client = UpdateClient(address)
+            cache = h["cache"]
+            inner = self.client.update(cache["channel"], cache["key"], False, None)
+        else:
+            inner = ray.get(consumer.apply_resident.remote([h]))
         t4 = time.perf_counter()
         ph["build"] = t1 - t0
         ph["fill"] = t2 - t1
@@ -174,7 +200,7 @@ def main() -> None:
     ap.add_argument("--gpus", type=float, default=0.0)
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--paths", nargs="+", default=["streamed", "resident"])
+    ap.add_argument("--paths", nargs="+", default=["streamed", "resident", "socket"])
     ap.add_argument("--out", default="bench/results/transport_profile.json")
     args = ap.parse_args()
 
@@ -196,13 +222,16 @@ def main() -> None:
         prod = ray.remote(Producer).options(**opts).remote(str(d), args.dtype)
         cons = ray.remote(Consumer).options(**opts).remote(str(d), args.dtype)
         nbytes = sum(t.numel() * t.element_size() for t in ray.get(prod.named.remote()) and [])
+        address = ray.get(cons.start_socket.remote())
         for path in args.paths:
             runs = []
             for _ in range(args.repeats + 1):
                 if path == "streamed":
                     runs.append(ray.get(prod.push_streamed.remote(cons, args.bucket_mb << 20)))
-                else:
+                elif path == "resident":
                     runs.append(ray.get(prod.push_resident.remote(cons)))
+                else:  # the warm-up push opened the buffer over Ray, as an engine does
+                    runs.append(ray.get(prod.push_resident.remote(cons, address)))
             med = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
             med["first_total"] = runs[0]["total"]
             rows.append({"size_mb": size, "dtype": args.dtype, "path": path, **med})

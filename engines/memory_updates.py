@@ -3,8 +3,10 @@
 Owns ``update_weights_from_tensor`` (buckets handed over on the same host),
 ``init_weights_update_group`` / ``update_weights_from_distributed`` /
 ``destroy_weights_update_group`` (broadcast from trainer rank 0), the
-``begin_weight_update`` / ``end_weight_update`` bracket, and ``state_sha256``
-(for checking that a transport gives the same bytes as a disk reload).
+``begin_weight_update`` / ``end_weight_update`` bracket, ``update_socket``
+(the same-host signal for cached updates, ``engines.update_socket``) and
+``state_sha256`` (for checking that a transport gives the same bytes as a disk
+reload).
 
 Buckets are applied as they arrive, under the step lock; the caller pauses
 generation first (the reload step pauses in place), so no forward sees a
@@ -31,6 +33,7 @@ from engines import weight_cache
 from engines import weight_receiver as wr
 from engines.engine_ranks import wait_all
 from engines.types import UpdateWeightsResult
+from engines.update_socket import UpdateSocket
 from engines.weights import WeightLoadError
 
 _control = ray.method(concurrency_group="control")
@@ -41,6 +44,7 @@ class InMemoryUpdates:
 
     _groups: dict[str, Any]
     _update_open: bool = False
+    _socket: UpdateSocket | None = None
 
     def _apply(
         self,
@@ -101,6 +105,30 @@ class InMemoryUpdates:
             wait_all(refs)
             return out
 
+        return self._apply(copy, weight_version, flush_cache)
+
+    @_control
+    def update_socket(self) -> dict[str, Any] | None:
+        """Where a producer on this host signals cached updates (the socket starts on
+        the first ask); None for an engine of several ranks, whose ranks are each
+        their own process and take every update over Ray."""
+        if self._ranks is not None:
+            return None
+        if self._socket is None:
+            self._socket = UpdateSocket(self._update_cached)
+        return self._socket.address()
+
+    def _update_cached(
+        self, channel: str, key: str, flush_cache: bool, weight_version: str | None
+    ) -> UpdateWeightsResult:
+        """``update_weights_from_tensor`` of a handle this engine holds open, asked over
+        the socket: the handle names the cached buffer and nothing else, so a key this
+        engine does not hold is a cache miss (the producer resends in full over Ray)."""
+        handle = {
+            "cache": {"channel": channel, "key": key, "keep": True},
+            "parts": [{"metadata": None}],
+        }
+        copy = lambda: weight_cache.apply(self, self._model, handle, self._device, 0, 1)  # noqa: E731
         return self._apply(copy, weight_version, flush_cache)
 
     @_control

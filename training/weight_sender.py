@@ -4,11 +4,13 @@ Owns handing the full state to one engine actor:
 - ``tensor``, resident (``TensorPusher`` with a trainer that never sleeps):
   one staging buffer for the whole model (``training.weight_staging``), one
   flat tensor per dtype, registered once (a CUDA IPC handle on GPU, a
-  shared-memory segment on CPU) and refilled at each update; one Ray call per
+  shared-memory segment on CPU) and refilled at each update; one signal per
   update, which the engine answers from its cache of opened handles
-  (``engines.weight_cache``). The layout is learnt from the first push, which
-  streams. An engine that does not hold the key (restarted) answers
-  ``cache_miss`` and gets the handle again in full.
+  (``engines.weight_cache``). The signal is a line on the engine's Unix socket
+  (``engines.update_socket``) when a single-rank engine offers one, else a Ray
+  call; the first update to an engine goes over Ray in full. The layout is
+  learnt from the first push, which streams. An engine that does not hold the
+  key (restarted) answers ``cache_miss`` and gets the handle again in full.
 - ``tensor``, streamed (colocated ranks, which sleep between pushes and so
   keep no second copy of the model): buckets of at most ``bucket_bytes``,
   flattened per dtype (``engines.flat_bucket``), one handle and one call per
@@ -39,6 +41,7 @@ import torch.distributed as dist
 
 from engines.flat_bucket import FlatBucket, flatten, iter_buckets
 from training.broadcast_sender import BroadcastSender
+from training.update_signal import EngineSignals
 from training.weight_staging import Layout, Staging, has_room, segment_path
 
 ALIGN = 64
@@ -158,6 +161,7 @@ class TensorPusher:
         self._bind = False  # the staging buffer holds the model's own tensors
         self._no_room = False  # the device (or /dev/shm) cannot hold a staging buffer
         self._ranks: dict[str, int] = {}  # engine key -> tensor-parallel size
+        self._signals = EngineSignals()  # how each engine takes a cached update
 
     def engine_ranks(self, engine: Any) -> int:
         """How many ranks (tensor-parallel size) the engine actor spans (asked once)."""
@@ -223,7 +227,7 @@ class TensorPusher:
             for _ in named:  # join the collectives of the iteration (FSDP gathers)
                 pass
         key = engine_key(engine)
-        status = None
+        status, signal = None, "ray"
         for attempt in range(2):
             mine = None
             if gather.producer:
@@ -232,10 +236,8 @@ class TensorPusher:
             status = None
             if handles is not None:
                 try:
-                    reply = ray.get(
-                        engine.update_weights_from_tensor.remote(
-                            handles, flush_cache=flush_cache, weight_version=str(version)
-                        )
+                    reply, signal = self._signals.update(
+                        engine, key, handles, flush_cache, str(version)
                     )
                     if reply.get("cache_miss") and attempt == 0:
                         status = "miss"  # the engine was restarted: send everything again
@@ -250,12 +252,14 @@ class TensorPusher:
             raise RuntimeError(status)
         if gather.producer:
             self.staging.acked.add(key)
-        return {"bytes": nbytes, "buckets": 1, "path": "resident"} if gather.rank == 0 else None
+        out = {"bytes": nbytes, "buckets": 1, "path": "resident", "signal": signal}
+        return out if gather.rank == 0 else None
 
     def close(self) -> None:
         if self.staging is not None:
             self.staging.close()
             self.staging = None
+        self._signals.close()
 
 
 def _try_bind(staging: Staging, model: torch.nn.Module) -> bool:

@@ -20,11 +20,12 @@ from training.tiny_model import write_tiny_model
 
 
 def _handoff(tmp_path, tiny_model_dir: str, gpus: float) -> dict:
-    """Push the trainer's weights four times into an engine that is reset to other
+    """Push the trainer's weights five times into an engine that is reset to other
     weights before each push: the first push streams (and learns the layout), the
-    second fills the resident staging buffer and sends it in full, the third sends
-    only the cached handle, the fourth goes to a restarted engine (a cache miss,
-    answered by resending in full). Each must leave the engine equal to a disk reload."""
+    second fills the resident staging buffer and sends it in full over Ray, the
+    third only names the cached buffer, on the engine's update socket; the fourth
+    goes to a restarted engine (a new engine: in full over Ray again), the fifth to
+    that engine's own socket. Each must leave the engine equal to a disk reload."""
     run = f"handoff-{uuid.uuid4().hex[:6]}"
     other = str(write_tiny_model(tmp_path / "other", seed=1))  # the engine starts here
     train_cfg = TrainConfig(num_cpus_per_worker=0.5, num_gpus_per_worker=gpus)
@@ -42,7 +43,7 @@ def _handoff(tmp_path, tiny_model_dir: str, gpus: float) -> dict:
         engine = engines.handle(0)
         before = ray.get(engine.state_sha256.remote())
         pushes, states = [], []
-        for i in range(4):
+        for i in range(5):
             if i == 3:
                 engine = engines.restart(0, other, 0)
             else:
@@ -69,8 +70,9 @@ def _handoff(tmp_path, tiny_model_dir: str, gpus: float) -> dict:
 
 def _check_handoff(r: dict) -> None:
     assert r["before"] != r["disk"]
-    assert r["states"] == [r["disk"]] * 4  # every path gives the bytes of a disk reload
-    assert [p["path"] for p in r["pushes"]] == ["streamed", "resident", "resident", "resident"]
+    assert r["states"] == [r["disk"]] * 5  # every path gives the bytes of a disk reload
+    assert [p["path"] for p in r["pushes"]] == ["streamed"] + ["resident"] * 4
+    assert [p.get("signal") for p in r["pushes"]] == [None, "ray", "socket", "ray", "socket"]
     assert r["pushes"][0]["buckets"] > 1 and r["pushes"][1]["buckets"] == 1
     assert r["info"]["weight_version"] == "0"
 

@@ -1,0 +1,123 @@
+"""The engine's weight-update socket: only a peer with the token is answered, a
+request is JSON of one fixed shape (nothing is unpickled), a bad request ends
+that connection and the socket keeps serving, and the socket folder of a dead
+engine process is swept by the next one."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from engines.update_socket import MAX_LINE, PREFIX, UpdateClient, UpdateSocket
+
+
+@pytest.fixture
+def served():
+    calls: list[tuple] = []
+
+    def handler(channel, key, flush, version):
+        calls.append((channel, key, flush, version))
+        return {"success": True, "message": f"copied {key}"}
+
+    sock = UpdateSocket(handler)
+    yield sock, calls
+    sock.close()
+
+
+def _raw(sock: UpdateSocket, payload: bytes) -> dict | None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(sock.path)
+        s.sendall(payload)
+        line = s.makefile("rb").readline()
+        rest = s.recv(1)  # the server closed the connection after a refusal
+        assert rest == b""
+        return json.loads(line) if line else None
+
+
+def test_a_producer_with_the_token_drives_cached_updates_in_order(served):
+    sock, calls = served
+    folder = os.path.dirname(sock.path)
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700  # nobody else can reach it
+    client = UpdateClient(sock.address())
+    try:
+        assert client.update("ch", "k1", False, None)["success"]
+        assert client.update("ch", "k1", True, "7") == {"success": True, "message": "copied k1"}
+    finally:
+        client.close()
+    assert calls == [("ch", "k1", False, None), ("ch", "k1", True, "7")]
+
+
+@pytest.mark.parametrize(
+    "payload, says",
+    [
+        (b'{"token": "nope", "channel": "c", "key": "k", "flush_cache": false}\n', "refused"),
+        (b'{"channel": "c", "key": "k", "flush_cache": false}\n', "refused"),
+        (b"\x80\x04\x95 a pickle is not a request\n", "not a JSON line"),
+        (b"A" * (MAX_LINE + 10) + b"\n", "at most"),
+    ],
+)
+def test_a_bad_request_is_answered_and_changes_nothing(served, payload, says):
+    sock, calls = served
+    reply = _raw(sock, payload)
+    assert reply is not None and not reply["success"] and says in reply["message"]
+    assert calls == []
+    # The socket still serves the producer that has the token.
+    client = UpdateClient(sock.address())
+    try:
+        assert client.update("c", "k", False, "1")["success"]
+    finally:
+        client.close()
+
+
+def test_a_field_of_the_wrong_type_is_refused_by_name(served):
+    sock, calls = served
+    req = {"token": sock.token, "channel": "c", "key": ["k"], "flush_cache": False}
+    reply = _raw(sock, json.dumps(req).encode() + b"\n")
+    assert "'channel' and 'key' must be strings" in reply["message"]
+    req = {"token": sock.token, "channel": "c", "key": "k", "flush_cache": "yes"}
+    reply = _raw(sock, json.dumps(req).encode() + b"\n")
+    assert "'flush_cache' must be true or false" in reply["message"]
+    assert calls == []
+
+
+def test_a_handler_error_is_the_reply_and_the_connection_lives_on():
+    def handler(channel, key, flush, version):
+        if key == "bad":
+            raise RuntimeError("a model tensor changed shape")
+        return {"success": True, "message": "ok"}
+
+    sock = UpdateSocket(handler)
+    client = UpdateClient(sock.address())
+    try:
+        reply = client.update("c", "bad", False, None)
+        assert not reply["success"] and "changed shape" in reply["message"]
+        assert client.update("c", "good", False, "2")["success"]
+    finally:
+        client.close()
+        sock.close()
+    assert not os.path.exists(os.path.dirname(sock.path))
+
+
+def test_the_folder_of_a_killed_engine_is_swept_by_the_next():
+    # A process that opens a socket and is SIGKILLed leaves its folder behind.
+    code = (
+        "import os, signal; from engines.update_socket import UpdateSocket; "
+        "s = UpdateSocket(lambda *a: {}); print(s.path, flush=True); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    left = os.path.dirname(out.stdout.strip())
+    assert left.startswith(os.path.join(tempfile.gettempdir(), PREFIX)) and os.path.isdir(left)
+    sock = UpdateSocket(lambda *a: {})
+    try:
+        assert not os.path.exists(left)
+    finally:
+        sock.close()
