@@ -120,7 +120,11 @@ def bench_size(
                 t0 = time.perf_counter()
                 out = trainer.push_weights(engine, transport, bucket, flush_cache=False)
                 times[transport].append(time.perf_counter() - t0)
-                nbytes, paths[transport] = out["bytes"], out.get("path", "broadcast")
+                path = out.get("path", "broadcast")
+                nbytes, paths[transport] = (
+                    out["bytes"],
+                    f"{path}/{out['signal']}" if "signal" in out else path,
+                )
             if "disk" not in transports or r == 0:
                 continue
             t0 = time.perf_counter()
