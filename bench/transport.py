@@ -111,6 +111,7 @@ def bench_size(
         engine = engines.handle(0)
         bucket = bucket_mb * 1024 * 1024
         times: dict[str, list[float]] = {t: [] for t in transports}
+        inside: dict[str, list[float]] = {t: [] for t in transports}  # the trainer's own push
         paths: dict[str, str] = {}
         nbytes = 0
         # The first two rounds warm up: the first push streams and learns the layout,
@@ -120,6 +121,7 @@ def bench_size(
                 t0 = time.perf_counter()
                 out = trainer.push_weights(engine, transport, bucket, flush_cache=False)
                 times[transport].append(time.perf_counter() - t0)
+                inside[transport].append(out["s"])
                 path = out.get("path", "broadcast")
                 nbytes, paths[transport] = (
                     out["bytes"],
@@ -139,6 +141,7 @@ def bench_size(
         copy_s = device_copy_s(nbytes, gpus > 0, repeats)
         for transport, ts in times.items():
             s = statistics.median(ts[-repeats:])
+            push_s = statistics.median(inside[transport][-repeats:]) if inside[transport] else s
             rows.append(
                 {
                     "size_mb": round(nbytes / 1e6),
@@ -151,6 +154,8 @@ def bench_size(
                     "GB_per_s": nbytes / s / 1e9,
                     "copy_s": copy_s,
                     "copy_ratio": copy_s / s,
+                    "push_s": push_s,  # inside the train actor: what the transport itself costs
+                    "push_copy_ratio": copy_s / push_s,
                 }
             )
     finally:
@@ -160,16 +165,20 @@ def bench_size(
 
 
 def table(rows: list[dict]) -> str:
-    """copy/ours: a same-run device copy (memcpy on CPU) of the bytes over our time
-    (1.0 = as fast as one copy; the issue's goal is >= 0.3)."""
+    """s/update: the driver's whole call (driver -> train actor -> engine); push s: the
+    train actor's own push (what the transport costs; ``disk``: export + reload).
+    copy/x: a same-run device copy (memcpy on CPU) of the bytes over that time
+    (1.0 = as fast as one copy; the issue's goal is >= 0.3 for the push)."""
     head = (
-        "| MB | dtype | device | transport | path | s/update | first s | GB/s | copy s | copy/ours |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
+        "| MB | dtype | device | transport | path | s/update | push s | first s | GB/s (push) "
+        "| copy s | copy/update | copy/push |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     return head + "".join(
         f"| {r['size_mb']} | {r['dtype']} | {r['device']} | {r['transport']} | {r['path']} | "
-        f"{r['s_per_update']:.4f} | {r['first_s']:.3f} | {r['GB_per_s']:.1f} | "
-        f"{r['copy_s']:.4f} | {r['copy_ratio']:.2f} |\n"
+        f"{r['s_per_update']:.4f} | {r['push_s']:.4f} | {r['first_s']:.3f} | "
+        f"{r['size_mb'] / 1e3 / r['push_s']:.1f} | {r['copy_s']:.4f} | {r['copy_ratio']:.2f} | "
+        f"{r['push_copy_ratio']:.2f} |\n"
         for r in rows
     )
 

@@ -187,9 +187,11 @@ class Served:
 
     memory: colocate.Memory | None  # colocated: the device states it left
     pull: dict[str, Any] | None = None  # the node-cache pull, if the version was read from one
+    push: dict[str, Any] | None = None  # an in-memory push: path, signal, bytes, seconds
 
     def recorded(self) -> dict[str, Any]:
-        return {**colocate.recorded(self.memory), **({"pull": self.pull} if self.pull else {})}
+        extra = {k: v for k, v in (("pull", self.pull), ("push", self.push)) if v}
+        return {**colocate.recorded(self.memory), **extra}
 
 
 def engine_weights(ctx, group, engine_id: int, v: int) -> Weights:
@@ -286,6 +288,7 @@ def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) 
         colocate.for_update(ctx, engine_id, push=False)  # room for the new engine
         group.restart(engine_id, engine_weights(ctx, group, engine_id, base).path, base)
         memory = colocate.wake_engine(ctx, engine_id)  # the new one's state
+    push = None
     if force or served_version(ctx, group, engine_id) != str(v):
         trainer = ctx.trainer()
         if v in committed and trainer.iteration() != v:
@@ -295,9 +298,14 @@ def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) 
             trainer.ensure_state(v, ctx.base_model_path)
             # Both sides hold the weights while they move; re-created ranks start awake.
             memory = colocate.for_update(ctx, engine_id, push=True)
-            _push(ctx, group, trainer, engine_id, v)
+            out = _push(ctx, group, trainer, engine_id, v)
+            push = {
+                k: out[k]
+                for k in ("path", "signal", "bound", "bytes", "buckets", "s")
+                if k in (out or {})
+            }
     ctx.store.record_serving(engine_id, v)
-    return Served(memory)
+    return Served(memory, push=push)
 
 
 def _disk_reload(ctx, group, engine_id: int, v: int, path: str) -> None:

@@ -77,6 +77,10 @@ class ReloadResult(StepResult):
     # Read from the engine node's cache: storage.Pulled (path, copied, bytes, seconds) and
     # the Ray node id; copied is False when another engine of the node had pulled it.
     pull: dict[str, Any] | None = None
+    # An in-memory push: path (streamed, resident, broadcast), signal (socket, ray),
+    # bound (the trainer's weights are the staging buffer: nothing was copied), bytes,
+    # buckets and the train rank's own seconds (``training.weight_sender``).
+    push: dict[str, Any] | None = None
 
 
 class VerifyRecord(StepResult):

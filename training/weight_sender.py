@@ -212,14 +212,14 @@ class TensorPusher:
         gather: HandleGather,
         model: torch.nn.Module | None,
     ) -> dict[str, Any] | None:
-        nbytes = 0
+        nbytes, bound = 0, False
         if gather.producer:
             if self.staging is None:
                 self.staging = Staging(self.layout, self.device, self.channel)
                 self._bind = model is not None  # try once per buffer
             st = self.staging
             if self._bind and (st.bound(model) or _try_bind(st, model)):
-                nbytes = st.ready()  # the weights are the buffer: nothing to copy
+                nbytes, bound = st.ready(), True  # the weights are the buffer: no copy
             else:
                 self._bind = False
                 nbytes = st.fill(named)
@@ -252,7 +252,7 @@ class TensorPusher:
             raise RuntimeError(status)
         if gather.producer:
             self.staging.acked.add(key)
-        out = {"bytes": nbytes, "buckets": 1, "path": "resident", "signal": signal}
+        out = {"bytes": nbytes, "buckets": 1, "path": "resident", "signal": signal, "bound": bound}
         return out if gather.rank == 0 else None
 
     def close(self) -> None:
@@ -344,8 +344,9 @@ def push_from_rank(
         gather = HandleGather(actor.rank, actor.world_size, ranks, _gloo_group(actor))
         # A rank that sleeps (colocated) keeps no second copy of the model: it streams.
         resident = not has_slept(actor)
+        model = actor._bindable_model()  # a single rank's weights become the staging buffer
         out = actor._pusher.push(
-            engine, named, version, bucket_bytes, flush_cache, gather, resident
+            engine, named, version, bucket_bytes, flush_cache, gather, resident, model
         )
     elif transport == "distributed":
         if actor.rank != 0:

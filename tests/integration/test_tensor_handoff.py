@@ -73,6 +73,8 @@ def _check_handoff(r: dict) -> None:
     assert r["states"] == [r["disk"]] * 5  # every path gives the bytes of a disk reload
     assert [p["path"] for p in r["pushes"]] == ["streamed"] + ["resident"] * 4
     assert [p.get("signal") for p in r["pushes"]] == [None, "ray", "socket", "ray", "socket"]
+    # A single train rank's weights are the staging buffer: no push copies them first.
+    assert [p.get("bound") for p in r["pushes"]] == [None] + [True] * 4
     assert r["pushes"][0]["buckets"] > 1 and r["pushes"][1]["buckets"] == 1
     assert r["info"]["weight_version"] == "0"
 
