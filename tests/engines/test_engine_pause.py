@@ -29,11 +29,17 @@ def _long(actor, seed0: int = 0):
     )
 
 
-def _wait_running(actor) -> None:
-    # Decoding, not merely queued: a pause must find rows in flight.
-    deadline = time.monotonic() + 30
-    while ray.get(actor.get_load.remote())["num_running_reqs"] == 0:
-        assert time.monotonic() < deadline, "generation never started"
+def _wait_running(actor, rows: int = 1) -> None:
+    """Until rows are decoding (a pause must find rows in flight) and ``rows`` rows
+    have reached the engine: a call still on its way when the pause lands would wait
+    for a continue that the test never sends (on a loaded machine, Ray may deliver
+    the last of several calls seconds after the first)."""
+    deadline = time.monotonic() + 60
+    while True:
+        load = ray.get(actor.get_load.remote())
+        if load["num_running_reqs"] and sum(load.values()) >= rows:
+            return
+        assert time.monotonic() < deadline, f"generation never started: {load}"
         time.sleep(0.01)
 
 
@@ -65,7 +71,7 @@ def test_pause_in_place_keeps_state(actor):
 def test_pause_abort_ends_requests(actor):
     # Eight calls occupy every generate thread: control calls must still be served.
     refs = [_long(actor, seed0=10 + 10 * k) for k in range(8)]
-    _wait_running(actor)
+    _wait_running(actor, rows=8 * ROWS)
     # Generous: on a loaded 2-core machine a pause behind eight busy calls took over 10 s.
     ray.get(actor.pause_generation.remote("abort"), timeout=60)
     out = [r for call in ray.get(refs, timeout=60) for r in call]  # no continue needed
