@@ -29,8 +29,11 @@ quiet() {
 quiet .venv/bin/pip install "torch==2.13.0" "uv==0.13.9"
 # The rest with uv: the same versions pip resolves (checked package by package on
 # 2026-12-04), in seconds instead of about a minute of pip. The installed torch
-# satisfies the project's range, so uv leaves it alone. One command for s3fs and
-# moto[server]: installed apart, botocore would leave aiobotocore's pin.
-quiet .venv/bin/uv pip install --python .venv/bin/python -e ".[dev]"
+# satisfies the project's range, so uv leaves it alone. --compile-bytecode, as pip
+# does: uv writes no .pyc by default, and with PYTHONDONTWRITEBYTECODE set (as on
+# these machines) every process would compile torch and transformers again. One
+# command for s3fs and moto[server]: installed apart, botocore would leave
+# aiobotocore's pin.
+quiet .venv/bin/uv pip install --python .venv/bin/python --compile-bytecode -e ".[dev]"
 echo "setup: $(.venv/bin/python -c 'import torch, ray, prefect; print(f"torch {torch.__version__}, ray {ray.__version__}, prefect {prefect.__version__}")')"
 echo "$want" > "$STAMP"
