@@ -1,4 +1,5 @@
-"""The engine's weight-update socket: only a peer with the token is answered, a
+"""The engine's weight-update socket: only the engine's own user, with the token,
+is answered (another user is kept out even with the token), a
 request is JSON of one fixed shape (nothing is unpickled), a bad request ends
 that connection and the socket keeps serving, and the socket folder of a dead
 engine process is swept by the next one."""
@@ -121,3 +122,55 @@ def test_the_folder_of_a_killed_engine_is_swept_by_the_next():
         assert not os.path.exists(left)
     finally:
         sock.close()
+
+
+def _as_nobody(path: str, payload: bytes) -> str:
+    """Connect to ``path`` from a child running as user nobody and send ``payload``;
+    what came of it: "EACCES", "closed" (no answer) or the answer line."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing but the standard library, then _exit
+        result = b"?"
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(10)
+                s.connect(path)
+                s.sendall(payload)
+                result = s.makefile("rb").readline().strip() or b"closed"
+        except PermissionError:
+            result = b"EACCES"
+        except ConnectionResetError:  # closed before it read the request
+            result = b"closed"
+        except OSError as e:
+            result = f"OSError {e}".encode()
+        finally:
+            os.write(w, result)
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+def test_another_user_is_kept_out_even_with_the_token(served):
+    sock, calls = served
+    req = {"token": sock.token, "channel": "c", "key": "k", "flush_cache": False}
+    payload = json.dumps(req).encode() + b"\n"
+    # The folder (0700) and the socket (0600) keep other users from connecting.
+    assert stat.S_IMODE(os.stat(os.path.dirname(sock.path)).st_mode) == 0o700
+    assert _as_nobody(sock.path, payload) == "EACCES"
+    # Were both opened up (a umask or an admin's chmod), the engine still answers
+    # only its own user, however the token leaked: the connection ends unanswered.
+    os.chmod(os.path.dirname(sock.path), 0o777)
+    os.chmod(sock.path, 0o777)
+    assert _as_nobody(sock.path, payload) == "closed"
+    assert calls == []
+    client = UpdateClient(sock.address())  # the engine's own user is still served
+    try:
+        assert client.update("c", "k", False, "1")["success"]
+    finally:
+        client.close()
