@@ -141,7 +141,9 @@ def _as_nobody(path: str, payload: bytes) -> str:
                 result = s.makefile("rb").readline().strip() or b"closed"
         except PermissionError:
             result = b"EACCES"
-        except ConnectionResetError:  # closed before it read the request
+        except (ConnectionResetError, BrokenPipeError):
+            # The engine checks the peer on accept and may close before the request
+            # is even written (EPIPE) or read (ECONNRESET): either way, unanswered.
             result = b"closed"
         except OSError as e:
             result = f"OSError {e}".encode()
