@@ -56,11 +56,23 @@ def _rollout_value(data: dict[str, Any], key: str) -> Any:
     return section.get(key, default) if isinstance(section, dict) else default
 
 
+def _api_key_env(data: dict[str, Any]) -> Any:
+    section = data.get("rollout")
+    remote = section.get("remote_reward") if isinstance(section, dict) else None
+    return remote.get("api_key_env") if isinstance(remote, dict) else None
+
+
 def _check_code_unchanged(from_file: dict[str, Any], data: dict[str, Any]) -> None:
     """Overrides (``--set``, a deployment's ``overrides``) may not choose code to
     run: whoever can start a deployment can set them, while the config file is
     the operator's. So they cannot widen the trusted modules, nor name a reward
-    outside the builtins that the file does not already name."""
+    outside the builtins that the file does not already name, nor choose which
+    environment variable's secret is sent to the reward server."""
+    if _api_key_env(data) != _api_key_env(from_file):
+        raise ConfigError(
+            "overrides cannot change rollout.remote_reward.api_key_env: which secret of the "
+            "environment is sent to a reward server is chosen in the config file; put it there"
+        )
     if _rollout_value(data, "trusted_reward_modules") != _rollout_value(
         from_file, "trusted_reward_modules"
     ):

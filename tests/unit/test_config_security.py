@@ -118,6 +118,27 @@ def test_overrides_cannot_name_new_code(tmp_path, reward_pkg):
         )
 
 
+def test_overrides_cannot_choose_which_secret_the_reward_server_gets(tmp_path):
+    path = config_file(
+        tmp_path, "reward: http://127.0.0.1:9/score\nremote_reward: {api_key_env: RM_TOKEN}\n"
+    )
+    with pytest.raises(
+        ConfigError, match="cannot change rollout.remote_reward.api_key_env.*put it there"
+    ):
+        load_config(path, ["rollout.remote_reward.api_key_env=AWS_SECRET_ACCESS_KEY"])
+    with pytest.raises(ConfigError, match="cannot change rollout.remote_reward.api_key_env"):
+        load_config(path, {"rollout": {"remote_reward": {"api_key_env": None}}})
+    with pytest.raises(ConfigError, match="cannot change rollout.remote_reward.api_key_env"):
+        load_config(None, {"rollout.remote_reward.api_key_env": "AWS_SECRET_ACCESS_KEY"})
+    # The file's own choice, and the section's other keys, may still be overridden.
+    cfg = load_config(
+        path,
+        ["rollout.remote_reward.api_key_env=RM_TOKEN", "rollout.remote_reward.timeout_s=5"],
+    )
+    assert cfg.rollout.remote_reward.api_key_env == "RM_TOKEN"
+    assert cfg.rollout.remote_reward.timeout_s == 5
+
+
 def test_a_reward_typo_is_explained(tmp_path):
     with pytest.raises(
         ConfigError, match=r"rollout.reward 'mtach' is not a builtin \(match, exact\)"
