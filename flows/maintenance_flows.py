@@ -67,7 +67,8 @@ class GcParams(RunRef):
 
 def open_run(ref: RunRef) -> RunContext:
     """The RunContext of an existing run, from its run.json, checked as a training
-    run is checked (``check_run``); nothing is started and no lease is taken."""
+    run is checked (``check_run``, less the datasets and trackers no maintenance
+    flow reads); nothing is started and no lease is taken."""
     tag_flow_run(ref.run_name)
     storage = StorageConfig(root=ref.storage_root, s3=S3Options(endpoint_url=ref.s3_endpoint_url))
     store = RunStore(storage, ref.run_name)
@@ -81,7 +82,7 @@ def open_run(ref: RunRef) -> RunContext:
     if ref.s3_endpoint_url:
         data["storage"].setdefault("s3", {})["endpoint_url"] = ref.s3_endpoint_url
     cfg = RunConfig.model_validate(data)
-    return RunContext(cfg=cfg, base_model_path=check_run(cfg))
+    return RunContext(cfg=cfg, base_model_path=check_run(cfg, inputs=False))
 
 
 @contextmanager

@@ -101,7 +101,16 @@ def load_jsonl(path: str | Path, input_key: str, label_key: str) -> list[Prompt]
     """Prompts of a JSONL file: one JSON object per line, blank lines skipped."""
     p = Path(path)
     prompts: list[Prompt] = []
-    for lineno, line in enumerate(p.read_text().splitlines(), 1):
+    # Split as bytes, decode per line: a bad byte is named by its line, and a
+    # U+2028 inside a JSON string (valid JSON) does not end the line.
+    for lineno, raw in enumerate(p.read_bytes().split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DatasetError(
+                f"{p}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                "save the file as UTF-8"
+            ) from None
         if not line.strip():
             continue
         try:
@@ -109,6 +118,11 @@ def load_jsonl(path: str | Path, input_key: str, label_key: str) -> list[Prompt]
         except json.JSONDecodeError as e:
             raise DatasetError(
                 f"{p}:{lineno}: not valid JSON ({e.msg}); one JSON object per line"
+            ) from None
+        except RecursionError:
+            raise DatasetError(
+                f"{p}:{lineno}: nested too deeply to read; a row is one flat JSON object "
+                "with the prompt and label fields"
             ) from None
         prompts.append(_prompt(row, f"{p}:{lineno}", input_key, label_key, len(prompts)))
     return prompts
@@ -147,22 +161,28 @@ LOADERS: dict[str, Callable[[str | Path, str, str], list[Prompt]]] = {
 }
 
 
-def load_prompts(path: str | Path, input_key: str, label_key: str) -> list[Prompt]:
-    """Prompts of a dataset file, by its suffix (``LOADERS``); never empty."""
+def load_prompts(
+    path: str | Path, input_key: str, label_key: str, key: str = "rollout.task"
+) -> list[Prompt]:
+    """Prompts of a dataset file, by its suffix (``LOADERS``); never empty. ``key``
+    is the setting that named the file, for the error when it is no dataset."""
     p = Path(path)
     if not p.is_file():
         raise DatasetError(
-            f"rollout.task {str(p)!r} is neither a builtin task ({', '.join(BUILTIN_TASKS)}) "
+            f"{key} {str(p)!r} is neither a builtin task ({', '.join(BUILTIN_TASKS)}) "
             f"nor an existing dataset file ({', '.join(LOADERS)})"
         )
     loader = LOADERS.get(p.suffix.lower())
     if loader is None:
         raise DatasetError(
-            f"{p}: unknown dataset format {p.suffix!r}; give a {' or '.join(LOADERS)} file"
+            f"{key}: {p}: unknown dataset format {p.suffix!r}; give a {' or '.join(LOADERS)} file"
         )
-    prompts = loader(p, input_key, label_key)
+    try:
+        prompts = loader(p, input_key, label_key)
+    except DatasetError as e:
+        raise DatasetError(f"{key}: {e}") from None
     if not prompts:
-        raise DatasetError(f"{p}: the dataset is empty")
+        raise DatasetError(f"{key}: {p}: the dataset is empty")
     return prompts
 
 

@@ -34,6 +34,9 @@ from rollout.types import Prompt
 # Builtin tasks derive a prompt from its index: evaluation's start past the
 # indices of training batches and of dynamic sampling's rounds (2**40 on).
 EVAL_INDEX_BASE = 1 << 41
+# eval.size at most: each evaluation generates (1 + n_samples) answers per prompt,
+# and a size of 1e12 would spend minutes building prompts before the first one.
+MAX_EVAL_SIZE = 100_000
 
 
 class EvalConfig(BaseModel):
@@ -49,19 +52,23 @@ class EvalConfig(BaseModel):
         description="Builtin task name or a .jsonl/.parquet file (rollout.input_key and "
         "label_key name its fields); None: rollout.task",
     )
-    size: int = Field(32, ge=1, description="Prompts evaluated (a file: its first rows)")
+    size: int = Field(
+        32, ge=1, le=MAX_EVAL_SIZE, description="Prompts evaluated (a file: its first rows)"
+    )
     n_samples: int = Field(
         4, ge=1, description="Sampled answers per prompt: pass@k is reported for k = n_samples"
     )
     pass_threshold: float = Field(
-        1.0, description="A sample passes when its reward is at least this"
+        1.0,
+        allow_inf_nan=False,  # NaN passes nothing: every pass@k would read 0
+        description="A sample passes when its reward is at least this",
     )
 
     @field_validator("dataset")
     @classmethod
     def _known_kind(cls, v: str | None) -> str | None:
         # Checked at load: a typo would otherwise fail the first evaluation, hours in.
-        # (The file itself is read where the evaluation runs.)
+        # (Every row of the file is read by tasks.prepare.check_run, before the run starts.)
         if v is None or v in BUILTIN_TASKS or Path(v).suffix.lower() in LOADERS:
             return v
         raise ValueError(
@@ -81,7 +88,8 @@ def eval_prompts(cfg: EvalConfig, rollout: RolloutConfig, seed: int) -> list[Pro
     if dataset in BUILTIN_TASKS:
         source = PromptSource(rollout.model_copy(update={"task": dataset}), seed)
         return source.prompts(range(EVAL_INDEX_BASE, EVAL_INDEX_BASE + cfg.size))
-    return load_prompts(dataset, rollout.input_key, rollout.label_key)[: cfg.size]
+    key = "eval.dataset" if cfg.dataset else "rollout.task"
+    return load_prompts(dataset, rollout.input_key, rollout.label_key, key)[: cfg.size]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -88,30 +88,33 @@ def check_root(cfg: StorageConfig) -> None:
     check_no_credentials(cfg.root)
     fs, root = open_root(cfg.root, cfg.s3)
     if is_local(fs):
-        _check_local_root(root)
+        check_local_folder(root)
     elif root.startswith("s3://"):
         _check_s3_root(fs, root, cfg.s3)
 
 
-def _check_local_root(root: str) -> None:
-    probe_dir = root
+def check_local_folder(root: str, key: str = "storage.root") -> None:
+    """Refuse a local folder setting ``key`` that a run could not write in: the
+    path (or its nearest existing parent) is a file or not writable. The probe
+    file is removed; nothing is created."""
+    probe_dir = root = os.path.abspath(root)  # a relative path's dirname ends at "", not "/"
     while not os.path.exists(probe_dir):  # the nearest existing parent is where mkdir happens
         probe_dir = os.path.dirname(probe_dir)
     if not os.path.isdir(probe_dir):
-        where = "storage.root" if probe_dir == root else f"its parent {probe_dir}"
+        where = key if probe_dir == root else f"its parent {probe_dir}"
         raise StorageError(
-            f"storage.root {root}: {where} is a file, not a folder; "
-            "set storage.root to a folder (or move that file away)"
+            f"{key} {root}: {where} is a file, not a folder; "
+            f"set {key} to a folder (or move that file away)"
         )
-    fix = "set storage.root to a writable folder, or fix the folder's permissions/mount"
+    fix = f"set {key} to a writable folder, or fix the folder's permissions/mount"
     if not os.access(probe_dir, os.W_OK | os.X_OK):
-        raise StorageError(f"storage.root {root}: {probe_dir} is not writable; {fix}")
+        raise StorageError(f"{key} {root}: {probe_dir} is not writable; {fix}")
     probe = os.path.join(probe_dir, f"{TMP_PREFIX}check-{uuid.uuid4().hex}")
     try:
         with open(probe, "wb") as f:  # os.access misses read-only mounts seen by root, quotas
             f.write(b"probe")
     except OSError as e:
-        raise StorageError(f"storage.root {root}: cannot write in {probe_dir} ({e}); {fix}") from e
+        raise StorageError(f"{key} {root}: cannot write in {probe_dir} ({e}); {fix}") from e
     finally:
         if os.path.exists(probe):
             os.unlink(probe)

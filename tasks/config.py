@@ -17,7 +17,7 @@ from engines.config import EngineConfig, PlacementConfig
 from rollout.config import RolloutConfig
 from rollout.evaluation import EvalConfig
 from storage.config import StorageConfig
-from tasks.tracking import TrackingConfig
+from tasks.tracking_config import TrackingConfig
 from training.config import ModelConfig, TrainConfig, WeightsConfig
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

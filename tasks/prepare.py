@@ -16,12 +16,19 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tasks import tracking
+from tasks import tracking_config
 from tasks.cluster import check_address, connect_ray, start_local_ray
 from tasks.config import ConfigError, RunConfig
 from tasks.context import RunContext
 
-__all__ = ["check_run", "connect_ray", "prepare_run", "start_local_ray", "take_lease"]
+__all__ = [
+    "check_datasets",
+    "check_run",
+    "connect_ray",
+    "prepare_run",
+    "start_local_ray",
+    "take_lease",
+]
 
 log = logging.getLogger("prefect_rl.prepare")
 
@@ -144,18 +151,45 @@ def publish_base(ctx: RunContext) -> None:
     writer.commit()
 
 
-def check_run(cfg: RunConfig) -> str:
+def check_datasets(cfg: RunConfig) -> None:
+    """Read every row of each dataset file the run will read (rollout.task, and
+    eval.dataset when evaluation is on) as its loader will: a bad row found only
+    in rollout[k=1] would come after the lease, run.json and v0, and run.json
+    would freeze the bad path. Raises ConfigError naming the key, file and line."""
+    from rollout.datasets import BUILTIN_TASKS, DatasetError, load_prompts
+
+    files = {"rollout.task": cfg.rollout.task}
+    if cfg.eval.interval > 0 and cfg.eval.dataset is not None:
+        files["eval.dataset"] = cfg.eval.dataset
+    for key, path in files.items():
+        if path in BUILTIN_TASKS:
+            continue
+        try:
+            load_prompts(path, cfg.rollout.input_key, cfg.rollout.label_key, key)
+        except DatasetError as e:
+            raise ConfigError(str(e)) from None
+
+
+def check_run(cfg: RunConfig, inputs: bool = True) -> str:
     """Everything that can be checked before any state is written: the storage
-    root, the frozen settings of a continued run, the base model, a Ray cluster
-    at ``ray.address`` answering. (The config
-    schema and the reward were checked when ``cfg`` was loaded.) Returns the
-    base model path. Raises ConfigError or StorageError naming the fix."""
+    root, the frozen settings of a continued run, the base model, every row of
+    the datasets, the trackers' folders and server, a Ray cluster at
+    ``ray.address`` answering. (The config schema, the reward and the node
+    resources were checked when ``cfg`` was loaded.) Returns the base model
+    path. Raises ConfigError, StorageError or ValueError naming the key and fix.
+
+    ``inputs=False`` leaves out the datasets and trackers: a maintenance flow on
+    an existing run reads neither, and a moved dataset or a stopped tracking
+    server must not block a gc or a reload."""
     from storage.fs import check_root
 
     check_root(cfg.storage)  # credentials in the URL, a file, not writable, a missing bucket
     path = base_model_path(cfg)
     check_frozen(RunContext(cfg=cfg, base_model_path=path))
-    tracking.check(cfg)  # an enabled tracker without its package or a folder to write to
+    if inputs:
+        check_datasets(cfg)
+        # An enabled tracker without its package, a folder it cannot write, a silent server.
+        tracking_config.check(cfg)
     if cfg.ray.address is not None:
         check_address(cfg.ray.address)  # a dead cluster fails in seconds, before any lease
     return path
@@ -173,12 +207,14 @@ def take_lease(ctx: RunContext, force: bool = False, wait: bool = True) -> RunCo
 def prepare_run(cfg: RunConfig, force_lease: bool = False) -> RunContext:
     # Validate first: a refused run leaves no lease, run.json or version behind
     # (a run.json written before a refusal would freeze the refused settings).
+    # Joining Ray checks the cluster's CPUs, GPUs and pinned node resources: before
+    # the lease too, so a cluster that cannot hold the run leaves nothing behind.
     ctx = RunContext(cfg=cfg, base_model_path=check_run(cfg))
+    connect_ray(cfg)
     ctx = take_lease(ctx, force=force_lease)
     try:
         check_or_write_run_json(ctx)
         publish_base(ctx)
-        connect_ray(cfg)
     except BaseException:
         # The run never started: the next one (or a maintenance flow) may write at once.
         ctx.store.release_lease(ctx.owner)

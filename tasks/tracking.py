@@ -1,8 +1,9 @@
 """Experiment trackers: TensorBoard, MLflow and Weights & Biases (offline), each
 an optional extra (``pip install 'prefect-rl[tracking]'``) and off by default.
 
-Owns the ``tracking`` config section and logging one metrics row per iteration
-to every enabled tracker, with the iteration as the step. A resumed run
+Owns logging one metrics row per iteration to every enabled tracker, with the
+iteration as the step (the ``tracking`` config section and its check before a
+run are ``tasks.tracking_config``). A resumed run
 continues the same tracker run (the same TensorBoard folder, the MLflow run
 tagged with this run, the W&B run id derived from it), and each tracker reads
 back the last iteration it holds (event files, metric history, W&B's offline
@@ -22,73 +23,10 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from storage.config import StorageConfig
+from tasks.tracking_config import HasTracking, TrackingConfig, run_dir
 
 log = logging.getLogger(__name__)
-
-
-class TensorBoardConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = False
-    log_dir: str | None = Field(
-        None, description="Event file folder; None: {storage.root}/{run.name}/tensorboard"
-    )
-
-
-class MlflowConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = False
-    tracking_uri: str | None = Field(
-        None,
-        description="http://host:port of a tracking server, or sqlite:///path.db; "
-        "None: sqlite:///{storage.root}/{run.name}/mlflow.db",
-    )
-    experiment: str = Field("prefect-rl", description="MLflow experiment the run is logged in")
-
-    @model_validator(mode="after")
-    def _no_credentials(self) -> MlflowConfig:
-        # The config lands in run.json and flow parameters; the message never repeats the URI.
-        scheme, sep, rest = (self.tracking_uri or "").partition("://")
-        if sep and "@" in rest.split("/", 1)[0]:
-            raise ValueError(
-                f"tracking.mlflow.tracking_uri ({scheme}://...) contains credentials; remove "
-                "them and set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or "
-                "MLFLOW_TRACKING_TOKEN) in the environment"
-            )
-        return self
-
-
-class WandbConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = False
-    project: str = "prefect-rl"
-    dir: str | None = Field(
-        None,
-        description="Offline run folder (upload later with `wandb sync`); "
-        "None: {storage.root}/{run.name}/wandb",
-    )
-
-
-class TrackingConfig(BaseModel):
-    """Which trackers receive each iteration's metrics row; all off by default."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tensorboard: TensorBoardConfig = TensorBoardConfig()
-    mlflow: MlflowConfig = MlflowConfig()
-    wandb: WandbConfig = WandbConfig()
-
-
-class _HasTracking(Protocol):
-    # RunConfig satisfies this; tasks/tracking.py does not import tasks.config.
-    tracking: TrackingConfig
-    storage: StorageConfig
-    run: Any  # RunSection: .name
 
 
 class Tracker(Protocol):
@@ -113,17 +51,6 @@ def numeric_metrics(row: dict[str, Any], prefix: str = "") -> dict[str, float]:
         ):
             out[name] = float(value)
     return out
-
-
-def _run_dir(storage: StorageConfig, run_name: str, what: str, key: str) -> Path:
-    """``{root}/{run}/{what}`` for a local storage root; a remote root needs ``key`` set."""
-    root = storage.root.removeprefix("file://")
-    if "://" in root:
-        raise ValueError(
-            f"tracking on an object-store storage.root ({storage.root.split('://')[0]}://...) "
-            f"needs a local folder; set {key}"
-        )
-    return Path(root).resolve() / run_name / what
 
 
 class TensorBoardTracker:
@@ -303,19 +230,19 @@ class RunTrackers:
         c, name, root = self.cfg, self.run_name, self.storage.root
         trackers: dict[str, Tracker] = {}
         if c.tensorboard.enabled:
-            folder = c.tensorboard.log_dir or _run_dir(
+            folder = c.tensorboard.log_dir or run_dir(
                 self.storage, name, "tensorboard", "tracking.tensorboard.log_dir"
             )
             trackers["tensorboard"] = TensorBoardTracker(Path(folder))
         if c.mlflow.enabled:
             uri, artifacts = c.mlflow.tracking_uri, None
             if uri is None:
-                local = _run_dir(self.storage, name, "mlflow", "tracking.mlflow.tracking_uri")
+                local = run_dir(self.storage, name, "mlflow", "tracking.mlflow.tracking_uri")
                 local.mkdir(parents=True, exist_ok=True)
                 uri, artifacts = f"sqlite:///{local / 'mlflow.db'}", (local / "artifacts").as_uri()
             trackers["mlflow"] = MlflowTracker(uri, c.mlflow.experiment, name, root, artifacts)
         if c.wandb.enabled:
-            folder = c.wandb.dir or _run_dir(self.storage, name, "wandb", "tracking.wandb.dir")
+            folder = c.wandb.dir or run_dir(self.storage, name, "wandb", "tracking.wandb.dir")
             trackers["wandb"] = WandbTracker(
                 c.wandb.project, Path(folder), name, wandb_run_id(root, name)
             )
@@ -346,7 +273,7 @@ _OPEN: dict[tuple[str, str], RunTrackers] = {}
 _OPEN_LOCK = threading.Lock()
 
 
-def log_iteration(cfg: _HasTracking, k: int, row: dict[str, Any]) -> list[str]:
+def log_iteration(cfg: HasTracking, k: int, row: dict[str, Any]) -> list[str]:
     """Log iteration ``k``'s metrics row to the run's enabled trackers (none by
     default); idempotent per tracker. Returns the trackers that logged it."""
     trackers = RunTrackers(cfg.tracking, cfg.storage, cfg.run.name)
@@ -374,27 +301,3 @@ def close() -> None:
             sys.modules["wandb"].teardown()
         except Exception as e:  # best effort, as above
             log.warning("stopping W&B's writer process failed: %s", e)
-
-
-def check(cfg: _HasTracking) -> None:
-    """Refuse, before any run state exists, a tracker whose extra is not installed
-    or that has no local folder to write to."""
-    t = cfg.tracking
-    needs = {
-        "tensorboard": (t.tensorboard.enabled, "tensorboard", t.tensorboard.log_dir),
-        "mlflow": (t.mlflow.enabled, "mlflow", t.mlflow.tracking_uri),
-        "wandb": (t.wandb.enabled, "wandb", t.wandb.dir),
-    }
-    for name, (on, module, where) in needs.items():
-        if not on:
-            continue
-        try:
-            __import__(module)
-        except ImportError:
-            raise ValueError(
-                f"tracking.{name}.enabled needs the {module} package; "
-                "pip install 'prefect-rl[tracking]'"
-            ) from None
-        if where is None:
-            key = {"tensorboard": "log_dir", "mlflow": "tracking_uri", "wandb": "dir"}[name]
-            _run_dir(cfg.storage, cfg.run.name, name, f"tracking.{name}.{key}")

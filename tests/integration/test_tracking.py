@@ -16,7 +16,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from flows.config import load_config
-from tasks import tracking
+from tasks import tracking, tracking_config
 
 ROWS = {
     k: {"iteration": k, "reward_mean": 0.1 * k, "loss": 1.0 / k, "kl": None, "example": "21"}
@@ -180,7 +180,7 @@ def test_remote_root_needs_a_local_folder():
         },
     )
     with pytest.raises(ValueError, match="set tracking.tensorboard.log_dir"):
-        tracking.check(cfg)
+        tracking_config.check(cfg)
 
 
 def test_mlflow_uri_with_credentials_is_refused_without_echoing_them():
