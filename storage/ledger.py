@@ -95,15 +95,38 @@ def append_metrics(
 
 
 def read_metrics(fs: fsspec.AbstractFileSystem, run_dir: str) -> list[dict]:
-    """All rows, sorted by iteration, from the per-iteration objects (the truth)."""
+    """All rows, sorted by iteration, from the per-iteration objects (the truth).
+    A row that does not read raises StorageError naming its object."""
+    rows, damaged = scan_metrics(fs, run_dir)
+    if damaged:
+        raise StorageError(
+            f"metrics row {join(run_dir, damaged[0])} is damaged (not a JSON object with its "
+            "integer 'iteration'); restore it from a backup, or delete it to drop that row"
+        )
+    return rows
+
+
+def scan_metrics(fs: fsspec.AbstractFileSystem, run_dir: str) -> tuple[list[dict], list[str]]:
+    """(the rows that read, sorted by iteration; the run-relative names of those that
+    do not): a reader that lists runs shows the damage instead of failing."""
     mdir = join(run_dir, "metrics")
     ks = parse_iter_dirs(ls_names(fs, mdir))
-    if not ks:
-        return []
     paths = [join(mdir, f"{iter_name(k)}.json") for k in ks]
-    blobs = fs.cat(paths, on_error="omit")
-    rows = [json.loads(b) for b in blobs.values()]
-    return sorted(rows, key=lambda r: r["iteration"])
+    # One concurrent read of every row (S3: a GET each); keyed by base name, since
+    # fsspec gives the keys back without their protocol.
+    got = fs.cat(paths, on_error="omit") if paths else {}
+    blobs = {key.rsplit("/", 1)[-1]: blob for key, blob in got.items()}
+    rows, damaged = [], []
+    for k in ks:
+        name = f"{iter_name(k)}.json"
+        if name not in blobs:  # removed meanwhile: not damage
+            continue
+        row = _json_or_none(blobs[name])
+        if isinstance(row, dict) and _is_int(row.get("iteration")):
+            rows.append(row)
+        else:
+            damaged.append(f"metrics/{name}")
+    return sorted(rows, key=lambda r: r["iteration"]), damaged
 
 
 def _jsonl(rows: list[dict]) -> bytes:
@@ -124,12 +147,49 @@ def record_serving(
 
 
 def serving_versions(fs: fsspec.AbstractFileSystem, engines_dir: str) -> dict[int, int]:
+    """engine -> the version it was last pointed at. A record that does not read raises
+    StorageError naming it: retention must not guess which version an engine serves."""
+    out, damaged = scan_serving(fs, engines_dir)
+    if damaged:
+        raise StorageError(
+            f"serving record {join(engines_dir, damaged[0].rsplit('/', 1)[-1])} is damaged (not "
+            "a JSON object with an integer 'version'); delete it: the next reload of that "
+            "engine writes it again"
+        )
+    return out
+
+
+def scan_serving(
+    fs: fsspec.AbstractFileSystem, engines_dir: str
+) -> tuple[dict[int, int], list[str]]:
+    """(engine -> version of each record that reads; the names, as ``engines/engine_000.json``,
+    of those that do not)."""
     out: dict[int, int] = {}
+    damaged: list[str] = []
     for n in ls_names(fs, engines_dir):
         e = parse_engine(n)
         if e is None:
             continue
-        rec = read_json(fs, join(engines_dir, n))
-        if rec is not None:
-            out[e] = int(rec["version"])
-    return out
+        try:
+            rec = read_json(fs, join(engines_dir, n))
+        except StorageError:
+            rec = {}
+        if rec is None:  # removed meanwhile
+            continue
+        version = rec.get("version") if isinstance(rec, dict) else None
+        if _is_int(version):
+            out[e] = version
+        else:
+            damaged.append(f"engines/{n}")
+    return out, damaged
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _json_or_none(blob: bytes | None) -> Any:
+    try:
+        return None if blob is None else json.loads(blob)
+    except ValueError:  # torn or not UTF-8 (UnicodeDecodeError is a ValueError)
+        return None

@@ -107,9 +107,12 @@ class RunStore:
         return read_json(self.fs, self._p(RUN_JSON))
 
     # -- rollouts ----------------------------------------------------------------
+    def rollouts_url(self, k: int) -> str:
+        return self._p("rollouts", f"{iter_name(k)}.json")
+
     def write_rollouts(self, k: int, data: dict[str, Any]) -> str:
         """Persist iteration k's rollouts once; a committed batch is kept as is."""
-        path = self._p("rollouts", f"{iter_name(k)}.json")
+        path = self.rollouts_url(k)
         try:
             blob = (json.dumps(data, allow_nan=False, separators=(",", ":")) + "\n").encode()
         except ValueError as e:
@@ -119,7 +122,7 @@ class RunStore:
         return path
 
     def read_rollouts(self, k: int) -> dict | None:
-        return read_json(self.fs, self._p("rollouts", f"{iter_name(k)}.json"))
+        return read_json(self.fs, self.rollouts_url(k))
 
     # -- checkpoints -------------------------------------------------------------
     def checkpoint_writer(self, k: int) -> CheckpointWriter:
@@ -232,6 +235,10 @@ class RunStore:
     def read_metrics(self) -> list[dict]:
         return _ledger.read_metrics(self.fs, self.url)
 
+    def scan_metrics(self) -> tuple[list[dict], list[str]]:
+        """(the metrics rows that read; the names of those that do not)."""
+        return _ledger.scan_metrics(self.fs, self.url)
+
     def record_serving(self, engine_id: int, version: int) -> None:
         _ledger.record_serving(
             self.fs, self._p("engines"), engine_id, version, guard=self.check_fence
@@ -239,6 +246,10 @@ class RunStore:
 
     def serving_versions(self) -> dict[int, int]:
         return _ledger.serving_versions(self.fs, self._p("engines"))
+
+    def scan_serving(self) -> tuple[dict[int, int], list[str]]:
+        """(engine -> version of the serving records that read; the names of those that do not)."""
+        return _ledger.scan_serving(self.fs, self._p("engines"))
 
     # -- lease -------------------------------------------------------------------
     def acquire_lease(

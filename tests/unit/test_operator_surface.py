@@ -106,6 +106,22 @@ def test_runs_lists_each_run_with_its_state(tmp_path, capsys):
     assert "held by otherhost:12 (live)" in rows["held"]
 
 
+def test_runs_exits_0_and_lists_a_damaged_run_beside_a_healthy_one(tmp_path, capsys):
+    cfg = load_config("configs/tiny-cpu.yaml", {"storage.root": str(tmp_path)})
+    for name in ("healthy", "torn"):
+        store = RunStore(cfg.storage, name)
+        store.write_run_json({"config": cfg.model_dump(mode="json")})
+        store.append_metrics(1, {"iteration": 1, "reward_mean": 0.5})
+    (tmp_path / "torn" / "lease.json").write_text('{"owner": "a')  # a writer's torn write
+    (tmp_path / "log").write_text("a log file beside the runs\n")
+    assert main(["runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in out[1:]}
+    assert set(rows) == {"healthy", "torn"}
+    assert rows["healthy"].split()[1:4] == ["1", "-", "free"]
+    assert "damaged lease.json" in rows["torn"] and rows["torn"].split()[1] == "1"
+
+
 def test_a_complete_run_answers_at_once_with_how_to_continue(tmp_path, capsys):
     sets = [f"storage.root={tmp_path}", "run.name=done", "run.iterations=2"]
     cfg = load_config("configs/tiny-cpu.yaml", sets)
