@@ -1,4 +1,5 @@
-"""Benchmark: embedded engine generation vs plain HF ``model.generate``.
+"""Benchmark: embedded engine generation vs plain HF ``model.generate`` (and, with
+``--sglang SITE`` on CUDA, a real SGLang server of the same model: ``bench.sglang_side``).
 
 Same model, same prompts, same batch size, same number of new tokens, same
 sampling (temperature 1, top_p 1, no top-k). Both generate exactly
@@ -177,8 +178,11 @@ def host_sampling_ms(engine: EmbeddedEngine, batch: int, repeats: int = 3) -> fl
     return 1e3 * statistics.median(times)
 
 
-def bench_batch(engine: EmbeddedEngine, batch: int, new: int, repeats: int) -> dict:
-    """Time engine.generate against model.generate on one batch of prompts."""
+def bench_batch(
+    engine: EmbeddedEngine, batch: int, new: int, repeats: int, sglang: object = None
+) -> dict:
+    """Time engine.generate against model.generate on one batch of prompts (and a real
+    SGLang server of the same model, ``bench.sglang_side``, where given)."""
     model, device = engine._model, engine._device  # the very same weights for the baseline
     prompts = make_prompts(batch)
     width = max(map(len, prompts))
@@ -223,7 +227,14 @@ def bench_batch(engine: EmbeddedEngine, batch: int, new: int, repeats: int) -> d
     (t_eng, n_eng), (t_hf, n_hf) = paired(
         lambda: run_engine(new), lambda: run_hf(new), repeats, sync
     )
+    side = {}
+    if sglang is not None:
+        from bench import sglang_side
+
+        side = sglang_side.bench(sglang, prompts, new, repeats)
+        side["sglang_vs_engine"] = side["sglang_tok_s"] / (n_eng / t_eng)
     return {
+        **side,
         "batch": batch,
         "max_new_tokens": new,
         "engine_s": t_eng,
@@ -238,7 +249,14 @@ def bench_batch(engine: EmbeddedEngine, batch: int, new: int, repeats: int) -> d
 
 
 def bench_model(
-    name: str, path: Path, batches: list[int], new: int, repeats: int, device: str, threads: int
+    name: str,
+    path: Path,
+    batches: list[int],
+    new: int,
+    repeats: int,
+    device: str,
+    threads: int,
+    sglang_site: str | None = None,
 ) -> Iterator[dict]:
     """One engine per model (sized for the largest batch); yields a row per batch size.
 
@@ -262,20 +280,40 @@ def bench_model(
         "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
         "dtype": str(model.dtype).removeprefix("torch."),
     }
-    for b in batches:
-        yield {**info, **bench_batch(engine, b, new, repeats)}
+    sglang = None
+    if sglang_site:
+        from bench import sglang_side
+
+        sglang = sglang_side.start(path, sglang_site, max(batches))
+        info["sglang_startup_s"] = round(sglang.startup_s, 1)
+    try:
+        for b in batches:
+            yield {**info, **bench_batch(engine, b, new, repeats, sglang)}
+    finally:
+        if sglang is not None:
+            sglang.stop()
 
 
 def table(rows: list[dict]) -> str:
     head = "| model | params (M) | dtype | batch | new tokens | engine tok/s "
     head += "| HF generate tok/s | engine / HF | engine ms/step (of which sampling) "
     head += "| HF ms/step |\n" + "|---" * 10 + "|\n"
-    return head + "".join(
-        f"| {r['model']} | {r['params_m']} | {r['dtype']} | {r['batch']} | "
-        f"{r['max_new_tokens']} | {r['engine_tok_s']:.0f} | {r['hf_tok_s']:.0f} | "
-        f"{r['ratio']:.2f}x | {r['engine_ms_per_step']:.1f} "
-        f"({r['engine_host_sampling_ms_per_step']:.1f}) | {r['hf_ms_per_step']:.1f} |\n"
-        for r in rows
+    return (
+        head
+        + "".join(
+            f"| {r['model']} | {r['params_m']} | {r['dtype']} | {r['batch']} | "
+            f"{r['max_new_tokens']} | {r['engine_tok_s']:.0f} | {r['hf_tok_s']:.0f} | "
+            f"{r['ratio']:.2f}x | {r['engine_ms_per_step']:.1f} "
+            f"({r['engine_host_sampling_ms_per_step']:.1f}) | {r['hf_ms_per_step']:.1f} |\n"
+            for r in rows
+        )
+        + "".join(
+            f"\nSGLang, {r['model']}, batch {r['batch']}: {r['sglang_tok_s']:.0f} tok/s, "
+            f"{r['sglang_vs_engine']:.1f}x the embedded engine (server ready in "
+            f"{r['sglang_startup_s']} s)"
+            for r in rows
+            if "sglang_tok_s" in r
+        )
     )
 
 
@@ -311,6 +349,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both")
+    ap.add_argument(
+        "--sglang", metavar="SITE", help="also time a real SGLang server (its site folder)"
+    )
     ap.add_argument("--out", type=Path, help="default: bench/results/rollout[_cuda].json")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -323,7 +364,14 @@ def main() -> None:
             name, write = MODELS[key]
             path = write(Path(tmp) / key)
             for row in bench_model(
-                name, path, args.batch, args.max_new_tokens, args.repeats, args.device, args.threads
+                name,
+                path,
+                args.batch,
+                args.max_new_tokens,
+                args.repeats,
+                args.device,
+                args.threads,
+                args.sglang,
             ):
                 rows.append(row)
                 # Rewritten after every row, so a run cut short keeps what it measured.

@@ -282,7 +282,10 @@ class EngineClient:
         group_name: str = "weight_update_group",
         weight_version: str | None = None,
         flush_cache: bool = True,
+        load_format: str | None = None,
     ) -> dict:
+        """One bucket by broadcast; ``load_format: flattened_bucket`` (SGLang) receives it
+        as one flat uint8 tensor in the order named."""
         body: dict[str, Any] = {
             "names": names,
             "dtypes": dtypes,
@@ -290,9 +293,17 @@ class EngineClient:
             "group_name": group_name,
             "flush_cache": flush_cache,
         }
+        if load_format is not None:
+            body["load_format"] = load_format
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         return self._json("POST", "/update_weights_from_distributed", body)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first ``truncate_size`` values of parameter ``name``, as the server holds it."""
+        return self._json(
+            "POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size}
+        )
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self._json("POST", "/destroy_weights_update_group", {"group_name": group_name})

@@ -42,6 +42,17 @@ class SGLangConfig(BaseModel):
     extra_args: list[str] = Field(
         default_factory=list, description="More launch_server arguments, passed as given"
     )
+    cuda_graph_max_bs: int | None = Field(
+        None,
+        ge=1,
+        description="--cuda-graph-max-bs: capture CUDA graphs only up to the batch a run "
+        "decodes (rollout rows per engine), which shortens startup; None: SGLang's default",
+    )
+    pythonpath: list[str] = Field(
+        default_factory=list,
+        description="Folders put first on the server's PYTHONPATH: SGLang's own environment "
+        "when it differs from the trainer's (its transformers and pydantic pins)",
+    )
     launch_command: list[str] | None = Field(
         None,
         description="Command before the arguments; default [python, -m, sglang.launch_server]",

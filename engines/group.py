@@ -211,7 +211,7 @@ class EngineGroup:
         if rank_bundles:
             kwargs["rank_bundles"] = rank_bundles
         if self.cfg.kind == "sglang":
-            from engines.sglang import actor_class as sglang_actor_class
+            from engines.sglang.engine import actor_class as sglang_actor_class
 
             cls = sglang_actor_class()
         else:

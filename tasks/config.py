@@ -138,6 +138,7 @@ class RunConfig(BaseModel):
         elif self.weights.transport == "distributed":
             _check_broadcast_devices(self)
         _check_node_pinning(self)
+        _check_sglang_transport(self)
         return self
 
     @model_validator(mode="after")
@@ -200,6 +201,19 @@ def _check_colocation(cfg: RunConfig) -> None:
                 "colocated SGLang engines free their memory only with --enable-memory-saver: "
                 "add it to engines.sglang.extra_args"
             )
+
+
+def _check_sglang_transport(cfg: RunConfig) -> None:
+    """An SGLang server takes in-memory weights from GPU memory only (CUDA IPC, NCCL)."""
+    if cfg.engines.kind != "sglang" or cfg.weights.transport not in ("tensor", "distributed"):
+        return
+    if cfg.train.num_gpus_per_worker <= 0 or cfg.engines.num_gpus_per_engine <= 0:
+        raise ValueError(
+            f"weights.transport {cfg.weights.transport!r} into engines.kind 'sglang' moves "
+            "weights from GPU to GPU (CUDA IPC or NCCL), but train.num_gpus_per_worker="
+            f"{cfg.train.num_gpus_per_worker:g} and engines.num_gpus_per_engine="
+            f"{cfg.engines.num_gpus_per_engine:g}; give both GPUs, or use weights.transport: disk"
+        )
 
 
 def _check_node_pinning(cfg: RunConfig) -> None:

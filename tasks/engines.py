@@ -334,7 +334,7 @@ def _push(ctx, group, trainer, engine_id: int, v: int) -> dict:
     with engine_client(ctx, group, engine_id) as client:
         client.pause_generation(ctx.cfg.engines.pause_mode)
         try:
-            client.begin_weight_update()
+            session = _begin_update_session(client)
             out = trainer.push_weights(
                 group.handle(engine_id),
                 w.transport,
@@ -342,10 +342,25 @@ def _push(ctx, group, trainer, engine_id: int, v: int) -> dict:
                 flush,
                 group_name=f"{ctx.run_name}-wu-e{engine_id}",
             )
-            client.end_weight_update()
+            if session:
+                client.end_weight_update()
         finally:
             client.continue_generation()
     return out
+
+
+def _begin_update_session(client) -> bool:
+    """Open a weight-update session; False where the server has none (SGLang before
+    0.5.23 answers 404): pause and continue bracket the update alone there."""
+    from engines.client import EngineHTTPError
+
+    try:
+        client.begin_weight_update()
+    except EngineHTTPError as e:
+        if e.status != 404:
+            raise
+        return False
+    return True
 
 
 def kill_train_rank0(trainer) -> None:

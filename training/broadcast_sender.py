@@ -17,6 +17,7 @@ import torch
 
 from engines import weight_receiver as wr
 from engines.flat_bucket import flatten, iter_buckets
+from engines.sglang import wire
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -43,6 +44,7 @@ class BroadcastSender:
 
     def __init__(self) -> None:
         self.groups: dict[str, Any] = {}
+        self.wires: dict[str, str] = {}  # group -> its engine's layout ("embedded" | "sglang")
 
     def ensure_group(self, engine: Any, group_name: str, backend: str) -> Any:
         pg = self.groups.get(group_name)
@@ -51,7 +53,9 @@ class BroadcastSender:
         if pg is not None:  # the engine was restarted: its end of the group is gone
             wr.destroy_group(self.groups.pop(group_name))
         addr, port = ray.util.get_node_ip_address(), wr.free_port()
-        world = 1 + int(ray.get(engine.model_info.remote()).get("tp_size", 1))  # + trainer rank 0
+        info = ray.get(engine.model_info.remote())
+        self.wires[group_name] = info.get("weight_wire", "embedded")
+        world = 1 + int(info.get("tp_size", 1))  # + trainer rank 0
         joined = engine.init_weights_update_group.remote(addr, port, 1, world, group_name, backend)
         pg = wr.make_group(addr, port, 0, world, group_name, backend)
         _check(ray.get(joined), f"init_weights_update_group({group_name})")
@@ -70,8 +74,11 @@ class BroadcastSender:
     ) -> dict[str, Any]:
         pg = self.ensure_group(engine, group_name, backend)
         nbytes = nbuckets = 0
+        sglang = self.wires.get(group_name) == "sglang"
         for bucket, last in _with_last(iter_buckets(named, bucket_bytes)):
             flats = flatten(bucket)
+            if sglang:  # one flat uint8 broadcast, in SGLang's order (engines.sglang.wire)
+                flats = wire.ordered(flats)
             metas = [m for b in flats for m in b.metadata]
             reply_ref = engine.update_weights_from_distributed.remote(
                 [m.name for m in metas],
@@ -81,8 +88,8 @@ class BroadcastSender:
                 flush_cache=flush_cache and last,
                 weight_version=str(version) if last else None,
             )
-            for b in flats:
-                wr.broadcast(pg, b.flat.contiguous())
+            for flat in [wire.broadcast_flat(flats)] if sglang else [b.flat for b in flats]:
+                wr.broadcast(pg, flat.contiguous())
             _check(ray.get(reply_ref), f"bucket {nbuckets} of v{version}")
             nbytes += sum(b.flat.numel() * b.flat.element_size() for b in flats)
             nbuckets += 1

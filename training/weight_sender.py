@@ -105,6 +105,18 @@ def _ipc_handle(buckets: list[FlatBucket]) -> dict[str, Any]:
     return {"kind": "cuda_ipc", "parts": parts}
 
 
+def _sglang_payload(flats: list[FlatBucket], on_gpu: bool) -> str:
+    if not on_gpu:
+        raise RuntimeError(
+            "an SGLang engine takes weights.transport 'tensor' as CUDA IPC handles, but the "
+            "trainer's weights are on the CPU: train on the GPU (train.num_gpus_per_worker > 0) "
+            "or use weights.transport: disk"
+        )
+    from engines.sglang.wire import tensor_payload
+
+    return tensor_payload(flats)
+
+
 def _check(reply: dict[str, Any], what: str) -> None:
     if not reply.get("success"):
         raise RuntimeError(f"engine refused {what}: {reply.get('message')}")
@@ -160,14 +172,16 @@ class TensorPusher:
         self.staging: Staging | None = None
         self._bind = False  # the staging buffer holds the model's own tensors
         self._no_room = False  # the device (or /dev/shm) cannot hold a staging buffer
-        self._ranks: dict[str, int] = {}  # engine key -> tensor-parallel size
+        self._ranks: dict[str, tuple[int, str]] = {}  # engine key -> (TP size, wire format)
         self._signals = EngineSignals()  # how each engine takes a cached update
 
-    def engine_ranks(self, engine: Any) -> int:
-        """How many ranks (tensor-parallel size) the engine actor spans (asked once)."""
+    def engine_profile(self, engine: Any) -> tuple[int, str]:
+        """How many ranks (tensor-parallel size) the engine actor spans, and the payload
+        format it reads ("embedded", or "sglang": ``engines.sglang.wire``); asked once."""
         key = engine_key(engine)
         if key not in self._ranks:
-            self._ranks[key] = int(ray.get(engine.model_info.remote()).get("tp_size", 1))
+            info = ray.get(engine.model_info.remote())
+            self._ranks[key] = (int(info.get("tp_size", 1)), info.get("weight_wire", "embedded"))
         return self._ranks[key]
 
     def push(
@@ -180,10 +194,13 @@ class TensorPusher:
         gather: HandleGather,
         resident: bool,
         model: torch.nn.Module | None = None,
+        wire: str = "embedded",
     ) -> dict[str, Any] | None:
         """Collective over the train ranks (each iterates the same full tensors);
         rank 0 returns bytes, buckets and the path taken. ``model``: a single rank's
-        model, whose tensors the staging buffer may take over (``Staging.bind``)."""
+        model, whose tensors the staging buffer may take over (``Staging.bind``).
+        ``wire``: the engine's payload format (an SGLang server keeps no handles, so
+        every push to it streams)."""
         if not resident:
             self.close()
         elif self.layout is not None:
@@ -191,7 +208,7 @@ class TensorPusher:
         layout = None
         if resident and not self._no_room:  # learn the layout while the first push streams
             layout, named = Layout.record(named)
-        out = send_streamed(engine, named, version, bucket_bytes, flush_cache, gather)
+        out = send_streamed(engine, named, version, bucket_bytes, flush_cache, gather, wire)
         # One rank decides alone; ranks of a sharded trainer must agree, so they do not check.
         if layout is not None and gather.world == 1 and not has_room(layout.nbytes(), self.device):
             log.warning(
@@ -276,22 +293,28 @@ def send_streamed(
     bucket_bytes: int,
     flush_cache: bool,
     gather: HandleGather,
+    wire: str = "embedded",
 ) -> dict[str, Any] | None:
     """Hand every bucket to ``engine`` (same host), one call per bucket. Collective over
     the train ranks (each iterates the same full tensors); rank 0 returns bytes and
-    bucket count."""
+    bucket count. ``wire: sglang``: each handle is SGLang's own payload
+    (``engines.sglang.wire``), CUDA only."""
     nbytes = nbuckets = 0
     for bucket, last in _with_last(iter_buckets(named, bucket_bytes)):
         flats = flatten(bucket)
         on_gpu = flats[0].flat.is_cuda
-        segment = None if on_gpu or not gather.producer else ShmSegment(flats)
+        shm = not on_gpu and gather.producer and wire != "sglang"
+        segment = ShmSegment(flats) if shm else None
         error = None
         try:
             mine = None
             if gather.producer:
                 if on_gpu:  # the engine reads the flats from its own stream
                     torch.cuda.current_stream().synchronize()
-                mine = _ipc_handle(flats) if on_gpu else segment.handle
+                if wire == "sglang":
+                    mine = _sglang_payload(flats, on_gpu)
+                else:
+                    mine = _ipc_handle(flats) if on_gpu else segment.handle
             handles = gather.to_rank0(mine)
             if handles is not None:
                 try:
@@ -340,13 +363,14 @@ def push_from_rank(
     if transport == "tensor":
         if getattr(actor, "_pusher", None) is None:
             actor._pusher = TensorPusher(actor.device)
-        ranks = actor._pusher.engine_ranks(engine)
+        ranks, wire = actor._pusher.engine_profile(engine)
         gather = HandleGather(actor.rank, actor.world_size, ranks, _gloo_group(actor))
-        # A rank that sleeps (colocated) keeps no second copy of the model: it streams.
-        resident = not has_slept(actor)
+        # A rank that sleeps (colocated) keeps no second copy of the model: it streams;
+        # so does a push into SGLang, which opens the handles afresh each time.
+        resident = not has_slept(actor) and wire != "sglang"
         model = actor._bindable_model()  # a single rank's weights become the staging buffer
         out = actor._pusher.push(
-            engine, named, version, bucket_bytes, flush_cache, gather, resident, model
+            engine, named, version, bucket_bytes, flush_cache, gather, resident, model, wire
         )
     elif transport == "distributed":
         if actor.rank != 0:

@@ -1,4 +1,5 @@
-"""The HTTP contract: engines.client against the embedded server over real HTTP.
+"""The HTTP contract: engines.client against the embedded server over real HTTP, and
+the same tests against a real SGLang server on a CUDA machine (``-m "gpu and sglang"``).
 
 Request bodies are SGLang 0.5.x's (``io_struct``); the server runs in this
 process on a uvicorn thread, as it does inside the engine actor (the actor
@@ -24,14 +25,44 @@ ROWS = 4
 LONG = {"temperature": 1.0, "max_new_tokens": 400, "ignore_eos": True, "n": ROWS}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_dir, tiny_v1, broken_dir):
+SGLANG = pytest.param("sglang", marks=[pytest.mark.gpu, pytest.mark.sglang])
+
+
+@pytest.fixture(scope="module", params=["embedded", SGLANG])
+def server(request, tiny_dir, tiny_v1, broken_dir):
+    """The embedded engine's server, or (``-m "gpu and sglang"`` on a CUDA machine with
+    ``PREFECT_RL_SGLANG_SITE``) a real SGLang server of the same tiny model."""
+    if request.param == "sglang":
+        yield from _sglang_server(tiny_dir)
+        return
     # context_length: past the tiny model's 64 positions, for long generations to pause.
     engine = EmbeddedEngine(str(tiny_dir), 0, EngineConfig(context_length=1024), weight_version=0)
     roots = (str(tiny_dir), str(tiny_v1), str(broken_dir))
     thread = serve_in_thread(engine, ServerSettings(allowed_roots=roots))
     yield thread.url
     thread.stop()
+
+
+def _sglang_server(tiny_dir):
+    import os
+
+    import torch
+
+    from engines.config import SGLangConfig
+    from engines.sglang.engine import SGLangEngine
+
+    site = os.environ.get("PREFECT_RL_SGLANG_SITE")
+    if not torch.cuda.is_available() or not site:
+        pytest.skip("needs CUDA and PREFECT_RL_SGLANG_SITE")
+    os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"  # past the 64 positions
+    args = ["--attention-backend", "triton", "--sampling-backend", "pytorch"]
+    args += ["--disable-cuda-graph", "--context-length", "1024", "--enable-memory-saver"]
+    sc = SGLangConfig(pythonpath=[site], extra_args=args, mem_fraction_static=0.2)
+    engine = SGLangEngine(str(tiny_dir), 0, EngineConfig(kind="sglang", sglang=sc))
+    try:
+        yield engine.url
+    finally:
+        engine.stop()
 
 
 @pytest.fixture(scope="module")

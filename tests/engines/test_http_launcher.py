@@ -22,7 +22,7 @@ import ray
 from engines.client import EngineClient
 from engines.config import EngineConfig, SGLangConfig
 from engines.group import EngineGroup
-from engines.sglang import SGLangEngine
+from engines.sglang.engine import SGLangEngine
 
 STANDIN = str(Path(__file__).with_name("standin_sglang_server.py"))
 
