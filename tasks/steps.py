@@ -22,6 +22,7 @@ from rollout.types import RolloutBatch
 from tasks import colocate, faults, retention, runner, tracking
 from tasks.engines import ensure_engine_serves, kill_train_rank0, target_version, transport_for
 from tasks.evaluation import EVALUATE
+from tasks.rollout_file import named_if_unusable
 from tasks.rollout_services import rollout_io
 from tasks.runner import Step
 from tasks.types import (
@@ -129,7 +130,8 @@ def _state(k_of):
 
 
 def _train(ctx, k: int, engine_id: int | None) -> Result:
-    return ctx.trainer().train(k)
+    with named_if_unusable(ctx, k):  # rewards that make NaN: the file and how to regenerate it
+        return ctx.trainer().train(k)
 
 
 def _is_last(ctx, k: int) -> bool:

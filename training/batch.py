@@ -27,6 +27,13 @@ from training.algorithm import filter_loss_mask, sample_advantages
 from training.config import LossConfig, TrainConfig
 
 
+class UnusableRollout(ValueError):
+    """A rollout batch whose rewards give no finite advantage (a reward beyond
+    float32, or one whose sums overflow). Training on it would make the weights
+    NaN, and a persisted batch is reused by every retry: the caller names its file
+    and how to generate it again."""
+
+
 @dataclass(frozen=True)
 class TrainBatch:
     input_ids: torch.Tensor  # [B, T] long, right-padded with pad_id
@@ -98,8 +105,29 @@ def build_train_batch(
         advantages = token_advantages.float()
     else:
         advantages = sample_advantages(cfg, rewards, batch.n_samples_per_prompt, lengths)
+        _check_finite(batch, rewards, advantages, cfg.advantage)
     loss_mask = filter_loss_mask(cfg, loss_mask, [s.finish_reason for s in batch.samples])
     return TrainBatch(input_ids, attention, loss_mask, rollout_lp, advantages, rewards)
+
+
+def _check_finite(
+    batch: RolloutBatch, rewards: torch.Tensor, advantages: torch.Tensor, estimator: str
+) -> None:
+    """UnusableRollout naming the first sample whose reward, else advantage, is not finite."""
+    where = f"of rollout batch {batch.iteration} has reward"
+    bad = (~torch.isfinite(rewards)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise UnusableRollout(
+            f"sample {i} {where} {batch.samples[i].reward:g}, beyond the trainer's float32"
+        )
+    bad = (~torch.isfinite(advantages)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise UnusableRollout(
+            f"sample {i} {where} {batch.samples[i].reward:g}, which gives advantage "
+            f"{float(advantages[i])} ({estimator}, float32)"
+        )
 
 
 def rank_slice(size: int, rank: int, world_size: int) -> tuple[int, int]:
