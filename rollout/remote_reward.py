@@ -91,7 +91,7 @@ class RemoteRewardConfig(BaseModel):
     max_abs: float = Field(
         1e6,
         gt=0,
-        le=1e30,  # squares and sums of rewards must stay finite in the trainer's float32
+        le=1e30,  # a group's sum of up to 10^8 such rewards still fits float32 (3.4e38)
         allow_inf_nan=False,
         description="A reward r with |r| above this is refused (the trainer computes in float32)",
     )

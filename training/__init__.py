@@ -12,7 +12,9 @@ Contracts:
   rollouts; a no-op when the ranks already hold k. Its result's ``warnings``
   lists corrupt checkpoints it skipped, for the caller to show.
 - ``TrainActor.train_step(k)`` needs trainer state k-1 (else StateMismatchError)
-  and rollouts k in the run store; it never generates.
+  and rollouts k in the run store; it never generates. Rewards that give a
+  non-finite advantage are refused before any step (``batch.UnusableRollout``;
+  ``tasks.rollout_file`` names the file and how to regenerate it).
 - Same config + same world size on CPU -> byte-identical weights.
 - Imports torch, transformers, ray and ``storage``; never Prefect.
 - ``push_weights`` (collective; rank 0 sends) hands the held state to one
