@@ -18,15 +18,19 @@ the producer keeps:
 Who may send: the socket lives in a folder of its own (mode 0700) named with the
 engine's pid, the peer must run as the engine's user (SO_PEERCRED), and every
 request carries the random token handed out over Ray (the trusted control
-plane). Requests are JSON of a fixed shape and at most ``MAX_LINE`` bytes: no
+plane). Requests are one flat JSON object of at most ``MAX_LINE`` bytes: no
 pickle, so a request can name a cached buffer and a version string, nothing
-else. A folder whose engine process died is removed by the next engine that
-starts one on the host.
+else; anything else (nesting, another shape, a wrong token) ends the connection.
+A folder of this user whose engine process died is removed by the next engine
+that starts one on the host; whatever else matches the name in /tmp (another
+user's folder, a pid no process can have) is left alone. Running out of file
+descriptors pauses accepting, never ends it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import hmac
 import json
@@ -35,9 +39,11 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,29 +51,45 @@ log = logging.getLogger(__name__)
 
 PREFIX = "prefect-rl-upd-"
 MAX_LINE = 4096
+# accept() errors that pass once other connections close: the listener backs off
+# for _BACKOFF_S and accepts again.
+_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
+_BACKOFF_S = 0.05
 Handler = Callable[[str, str, bool, str | None], dict[str, Any]]
 
 
+# A pid above Linux's largest pid_max (2**22) names no process: a folder that says
+# so is not an engine's (os.kill would raise OverflowError on the largest).
+_PID_MAX = 1 << 22
+
+
 def _sweep_dead() -> None:
-    """Remove socket folders whose engine process is gone (a SIGKILL cannot clean up)."""
+    """Remove socket folders whose engine process is gone (a SIGKILL cannot clean up).
+    Only folders of this user whose name carries a possible pid are judged: /tmp is
+    shared, and anything another user made there is skipped, never a reason to fail."""
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{PREFIX}*-*")):
         pid = os.path.basename(path)[len(PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit():
+        if not pid.isdigit() or not 0 < int(pid) <= _PID_MAX:
             continue
         try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue  # a file, a link, another user's: not ours to judge
             os.kill(int(pid), 0)
         except ProcessLookupError:
             shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:  # alive, another user's
-            pass
+        except (OSError, OverflowError, ValueError):  # alive (EPERM), or gone meanwhile
+            continue
 
 
 def parse_request(line: bytes, token: str) -> tuple[str, str, bool, str | None]:
     """(channel, key, flush_cache, weight_version) of one request line, or ValueError
-    naming what is wrong. The token is compared in constant time."""
+    naming what is wrong (the connection is then closed). The token is compared in
+    constant time. A request is one flat object: deep nesting (2,000 nested arrays
+    fit in a line) is refused like malformed JSON, a nested field by its name."""
     try:
         req = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"not a JSON line: {e}") from None
     if not isinstance(req, dict):
         raise ValueError("a request is a JSON object")
@@ -108,15 +130,29 @@ class UpdateSocket:
         return {"path": self.path, "token": self.token, "pid": os.getpid()}
 
     def _accept(self) -> None:
+        starved = False
         while not self._closed:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
-            if not self._same_user(conn):
-                conn.close()
+            except OSError as e:
+                if self._closed or e.errno not in _TRANSIENT:
+                    return  # closed
+                # Out of descriptors or memory (a flood of connections, ours or another
+                # process's): those close again, so wait and accept again, never end.
+                if not starved:
+                    log.warning("weight-update socket: accept failed (%s); retrying", e)
+                starved = True
+                time.sleep(_BACKOFF_S)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            starved = False
+            try:
+                if not self._same_user(conn):
+                    conn.close()
+                    continue
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            except (OSError, RuntimeError):  # no thread to serve it: this one is refused
+                conn.close()
+                time.sleep(_BACKOFF_S)
 
     @staticmethod
     def _same_user(conn: socket.socket) -> bool:
@@ -133,14 +169,16 @@ class UpdateSocket:
                 try:
                     if len(line) > MAX_LINE or not line.endswith(b"\n"):
                         raise ValueError(f"a request is one line of at most {MAX_LINE} bytes")
-                    reply = self._handler(*parse_request(line, self.token))
+                    request = parse_request(line, self.token)
                 except PermissionError as e:
                     log.warning("weight-update socket: refused a request: %s", e)
                     self._send(conn, {"success": False, "message": f"refused: {e}"})
                     return  # a peer without the token gets one answer, then nothing
-                except ValueError as e:
+                except Exception as e:  # noqa: BLE001 - whatever a bad request raised: it ends here
                     self._send(conn, {"success": False, "message": f"bad request: {e}"})
                     return  # the stream may be out of step: the producer reconnects
+                try:
+                    reply = self._handler(*request)
                 except Exception as e:  # noqa: BLE001 - the producer reports it; the engine lives on
                     reply = {"success": False, "message": f"{type(e).__name__}: {e}"}
                 if not self._send(conn, reply):

@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -176,3 +177,118 @@ def test_another_user_is_kept_out_even_with_the_token(served):
         assert client.update("c", "k", False, "1")["success"]
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"[" * 2000 + b"]" * 2000 + b"\n",  # deep nesting that fits in a line
+        b'{"token": ' + b"[" * 1500 + b"]" * 1500 + b"}\n",  # nested inside the object
+        b'{"channel": {"a": 1}, "key": "k", "flush_cache": false}\n',
+        b'"just a string"\n',
+    ],
+    ids=["2000-nested-arrays", "nested-token", "nested-value", "not-an-object"],
+)
+def test_a_request_that_is_no_flat_object_ends_the_connection(served, payload):
+    sock, calls = served
+    reply = _raw(sock, payload)  # asserts that the engine closed the connection after it
+    assert reply is not None and not reply["success"]
+    assert reply["message"].startswith(("bad request", "refused"))
+    assert calls == []
+
+
+def test_a_folder_any_user_can_make_in_tmp_does_not_stop_the_socket(tmp_path):
+    """Names no engine made: a pid too large for os.kill, a file, another user's folder
+    with a dead pid. The next engine starts its socket and leaves them all alone."""
+    tmp = tempfile.gettempdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    made = [
+        os.path.join(tmp, f"{PREFIX}99999999999-x"),
+        os.path.join(tmp, f"{PREFIX}{dead.pid}-afile"),
+        os.path.join(tmp, f"{PREFIX}{dead.pid}-other"),
+    ]
+    try:
+        os.mkdir(made[0])
+        open(made[1], "w").close()
+        os.mkdir(made[2])
+        if os.geteuid() == 0:
+            os.chown(made[2], 65534, 65534)  # user nobody's
+        sock = UpdateSocket(lambda *a: {"success": True, "message": "ok"})
+        try:
+            client = UpdateClient(sock.address())
+            try:
+                assert client.update("c", "k", False, "1")["success"]
+            finally:
+                client.close()
+        finally:
+            sock.close()
+        assert os.path.isdir(made[0]) and os.path.isfile(made[1])
+        if os.geteuid() == 0:
+            assert os.path.isdir(made[2])  # another user's: not ours to remove
+    finally:
+        for path in made:
+            if os.path.isdir(path):
+                os.rmdir(path)
+            elif os.path.exists(path):
+                os.unlink(path)
+
+
+# The engine side, in a process of its own with few file descriptors: the parent
+# floods it with connections until every descriptor is in use, then lets them go.
+_LOW_FD_ENGINE = r"""
+import json, os, resource, sys
+from engines.update_socket import UpdateSocket
+
+sock = UpdateSocket(lambda c, k, f, v: {"success": True, "message": k})
+used = len(os.listdir("/proc/self/fd"))
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + 8, hard))
+print(json.dumps({**sock.address(), "limit": used + 8}), flush=True)
+sys.stdin.read()  # until the parent is done
+"""
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_the_socket_accepts_again_after_running_out_of_file_descriptors():
+    engine = subprocess.Popen(
+        [sys.executable, "-c", _LOW_FD_ENGINE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    flood: list[socket.socket] = []
+    try:
+        address = json.loads(engine.stdout.readline())
+        for _ in range(address["limit"] + 16):  # more than it can hold, and a full backlog
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(address["path"])
+            except BlockingIOError:  # the backlog is full: the engine accepts no more
+                s.close()
+                break
+            flood.append(s)
+        # Wait (not a timed assertion) until the engine holds every descriptor it may.
+        deadline = time.monotonic() + 30
+        while _open_fds(engine.pid) < address["limit"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _open_fds(engine.pid) >= address["limit"]
+        time.sleep(0.3)  # its accept() meets EMFILE now, with connections still waiting
+        for s in flood:
+            s.close()
+        flood.clear()
+        client = UpdateClient(address, timeout_s=20)  # the flood is over: served again
+        try:
+            assert client.update("c", "k", False, "1") == {"success": True, "message": "k"}
+        finally:
+            client.close()
+    finally:
+        for s in flood:
+            s.close()
+        engine.stdin.close()
+        engine.wait(timeout=30)

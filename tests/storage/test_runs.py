@@ -44,7 +44,7 @@ def test_a_damaged_run_is_listed_with_its_damage_beside_the_healthy_one(tmp_path
     _check_listing(StorageConfig(root=str(tmp_path / "runs")), case)
 
 
-def test_on_s3_too(cfg):
+def test_a_torn_lease_and_a_stray_object_on_each_backend(cfg):
     """An object beside the run prefixes, and a torn lease, on S3 as on disk."""
     _check_listing(cfg, "torn lease.json")
 
