@@ -31,7 +31,8 @@ checks), ``weight_files`` (confined, manifest-verified reading of an HF dir),
 ``security`` (token, browser and path rules), ``safe_pickle`` (the allow-list
 unpickler), ``http_base`` + ``http_server`` (the HTTP API), ``sglang`` (the
 SGLang launcher),
-``group`` (EngineGroup), ``flat_bucket`` (SGLang's flattened_bucket wire
+``group`` (EngineGroup; ``actor_history`` tells its first start from a
+restart), ``flat_bucket`` (SGLang's flattened_bucket wire
 format), ``weight_receiver`` + ``memory_updates`` (update_weights_from_tensor /
 _distributed: shared memory or CUDA IPC buckets, gloo/NCCL broadcast groups).
 """

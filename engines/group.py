@@ -44,6 +44,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engines import deadline
+from engines.actor_history import ran_before
 from engines.client import EngineClient
 from engines.config import EngineConfig
 from engines.embedded import EngineDeadError, actor_class
@@ -123,14 +124,22 @@ class EngineGroup:
         except (RayActorError, GetTimeoutError):
             return False
 
+    def ran_before(self, i: int) -> bool:
+        """Whether engine i exists (hung) or ran and died in this cluster: starting it
+        now is a restart, not its first start (``engines.actor_history``)."""
+        return ran_before([self.actor_name(i)])
+
     def restart(self, i: int, model_path: str, weight_version: int) -> ActorHandle:
         """Replace engine ``i`` with a fresh one serving ``weight_version``.
 
         Its placement group stays, so the new engine lands on the node where
         ``model_path`` was pulled (``pull``); after a lost node, Ray has
         moved the group's bundles to a node that can hold them, or it waits."""
+        if self.ran_before(i):  # a first start is no fault: INFO, not a warning
+            log.warning("restarting %s at version %s", self.actor_name(i), weight_version)
+        else:
+            log.info("starting %s at version %s", self.actor_name(i), weight_version)
         self._kill(i, keep_placement=True)
-        log.warning("restarting %s at version %s", self.actor_name(i), weight_version)
         h = self._create(i, model_path, weight_version)
         deadline.get(
             h.get_weight_version.remote(), self.call_timeout_s, "restart", self.actor_name(i)

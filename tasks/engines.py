@@ -262,7 +262,8 @@ def disk_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool = 
     # Trainer asleep before the engine wakes; the health check below runs a forward.
     memory = colocate.for_update(ctx, engine_id, push=False)
     if not group.is_alive(engine_id):
-        log.warning("engine %d is not alive; restarting it on v%d", engine_id, v)
+        if group.ran_before(engine_id):  # else its first start: the group logs "starting"
+            log.warning("engine %d is not alive; restarting it on v%d", engine_id, v)
         group.restart(engine_id, weights.path, v)
         memory = colocate.for_update(ctx, engine_id, push=False)  # the new one's state
     elif force_reload or served_version(ctx, group, engine_id) != str(v):
@@ -282,9 +283,10 @@ def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) 
     memory = colocate.wake_engine(ctx, engine_id)  # the health check runs a forward
     if not group.is_alive(engine_id):
         base = max(committed)
-        log.warning(
-            "engine %d is not alive; restarting it on v%d, then pushing v%d", engine_id, base, v
-        )
+        if group.ran_before(engine_id):  # else its first start: the group logs "starting"
+            log.warning(
+                "engine %d is not alive; restarting it on v%d, then pushing v%d", engine_id, base, v
+            )
         colocate.for_update(ctx, engine_id, push=False)  # room for the new engine
         group.restart(engine_id, engine_weights(ctx, group, engine_id, base).path, base)
         memory = colocate.wake_engine(ctx, engine_id)  # the new one's state

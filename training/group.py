@@ -24,6 +24,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engines import deadline
+from engines.actor_history import ran_before
 from engines.placement import SharedPlacement, pinned, unplaceable
 from training.actor import TrainActor
 from training.config import RunIdentity, TrainerSections
@@ -247,7 +248,11 @@ class TrainGroup:
         its = self._iterations()
         if its is not None and all(i == k for i in its):
             return {"restored_from": None, "replayed": [], "recreated": False, "warnings": []}
-        log.warning("train group %s holds %s, needs %d: rebuilding", self.run_name, its, k)
+        ranks = [self.actor_name(r) for r in range(self.world_size)]
+        if its is None and not ran_before(ranks):  # no fault: a new run or a new cluster
+            log.info("starting train group %s for state %d", self.run_name, k)
+        else:
+            log.warning("train group %s holds %s, needs %d: rebuilding", self.run_name, its, k)
         self.create(base_model_path)
         c, skipped = self._restore_point(k)
         if c > 0:

@@ -7,6 +7,7 @@ fixture's teardown.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -76,7 +77,7 @@ def test_reload_both_then_same_tokens_anywhere(group, tiny_v1):
     assert a["output_ids"] == b["output_ids"]
 
 
-def test_engine_killed_mid_rollout_is_restarted(group, tiny_v1):
+def test_engine_killed_mid_rollout_is_restarted(group, tiny_v1, caplog):
     slow = dict(SAMPLING, max_new_tokens=200, stop_token_ids=[])
     reference = group.generate_groups(PROMPTS, N, slow, SEEDS)
     victim = group.handle(0)
@@ -100,3 +101,6 @@ def test_engine_killed_mid_rollout_is_restarted(group, tiny_v1):
     assert group.handle(0)._actor_id != victim._actor_id
     info = ray.get(group.handle(0).model_info.remote())
     assert info["weight_version"] == "1" and info["model_path"] == str(tiny_v1)
+    # An engine that ran and died: a real restart, so a WARNING (a first start is INFO).
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"restarting {group.actor_name(0)} at version 1" in warned

@@ -8,8 +8,11 @@ it can.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import re
+from collections.abc import Iterator
 
 import pytest
 import ray
@@ -23,6 +26,31 @@ from training.actor import StateMismatchError
 PROBE = [[1, 5, 9, 12, 7, 20, 2], [1, 8, 8, 4, 29, 3, 11]]
 
 
+class KeptLogs(logging.Handler):
+    """(level, message) of each record it receives."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.kept: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.kept.append((record.levelno, record.getMessage()))
+
+
+@contextlib.contextmanager
+def training_logs() -> Iterator[list[tuple[int, str]]]:
+    """What the training package logs in the block (a module fixture cannot take caplog)."""
+    handler, logger = KeptLogs(), logging.getLogger("training")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.kept
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 @pytest.fixture(scope="module")
 def reference(ray_cluster, tiny_model, storage_cfg):
     """Uninterrupted 1-worker run: train 1..3, publish v1, v2 and v3."""
@@ -31,7 +59,9 @@ def reference(ray_cluster, tiny_model, storage_cfg):
     group = make_group(storage_cfg, run)
     out: dict = {"run": run, "metrics": []}
     try:
-        group.create(tiny_model)
+        with training_logs() as logged:
+            group.ensure_state(0, tiny_model)  # how a new run builds its trainer
+        out["first_start_logs"] = logged
         with pytest.raises(StateMismatchError, match=r"train_step\(2\) needs trainer state 1"):
             group.train(2)
         for k in (1, 2, 3):
@@ -81,7 +111,7 @@ def _corrupt_last_byte(path: str) -> None:
         f.write(bytes([last[0] ^ 0xFF]))
 
 
-def test_kill_restore_replay_is_byte_identical(reference, tiny_model, storage_cfg):
+def test_kill_restore_replay_is_byte_identical(reference, tiny_model, storage_cfg, caplog):
     """Checkpoints 1 and 2 (2 corrupt), actors killed at state 3: ensure_state(3)
     reports the corrupt one in its result's warnings, restores 1, replays 2..3 and publishes the reference's bytes."""
     run = "rec1"
@@ -99,6 +129,9 @@ def test_kill_restore_replay_is_byte_identical(reference, tiny_model, storage_cf
         assert not group.alive() and group.iteration() is None
         result = group.ensure_state(3, tiny_model)
         assert (result["restored_from"], result["replayed"]) == (1, [2, 3])
+        # Ranks that ran and died: a real rebuild, so a WARNING (a first start is INFO).
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert "train group rec1 holds None, needs 3: rebuilding" in warned
         assert result["recreated"] is True
         # The caller gets the fallback (a warning in a Ray worker's log reaches no user).
         [warning] = result["warnings"]
@@ -114,6 +147,14 @@ def test_kill_restore_replay_is_byte_identical(reference, tiny_model, storage_cf
     finally:
         group.shutdown()
     assert not group.alive()
+
+
+def test_a_first_start_logs_starting_and_no_warning(reference):
+    """The reference run's trainer was built by ensure_state(0), as a new run's is:
+    no fault, so INFO "starting", not a warning (a rebuild after a kill warns)."""
+    logged = reference["first_start_logs"]
+    assert (logging.INFO, "starting train group ref1 for state 0") in logged
+    assert [m for level, m in logged if level >= logging.WARNING] == []
 
 
 def test_two_workers_fsdp_deterministic_and_recoverable(reference, tiny_model, storage_cfg):
