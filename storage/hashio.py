@@ -110,8 +110,12 @@ class HashingWriter:
     def close(self) -> None:
         if self.closed:
             return
-        self._drain()
-        self._finish()
+        try:
+            self._drain()
+            self._finish()
+        except BaseException:
+            self.abort()  # its tail failed (disk full, an upload): it can never be finished
+            raise
         self.closed = True
         self.sha256 = self._sha.hexdigest()
         if self._on_close is not None:
@@ -239,24 +243,19 @@ class S3HashingWriter(HashingWriter):
             self._call(
                 "put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._pending)
             ).result()
-        else:
-            try:
-                if self._pending:
-                    self._send(bytes(self._pending))
-                parts = [
-                    {"PartNumber": i + 1, "ETag": f.result()["ETag"]}
-                    for i, f in enumerate(self._parts)
-                ]
-                self._call(
-                    "complete_multipart_upload",
-                    Bucket=self._bucket,
-                    Key=self._key,
-                    UploadId=self._upload_id,
-                    MultipartUpload={"Parts": parts},
-                ).result()
-            except BaseException:
-                self._abort_upload()
-                raise
+        else:  # a failure here aborts the upload (close calls abort)
+            if self._pending:
+                self._send(bytes(self._pending))
+            parts = [
+                {"PartNumber": i + 1, "ETag": f.result()["ETag"]} for i, f in enumerate(self._parts)
+            ]
+            self._call(
+                "complete_multipart_upload",
+                Bucket=self._bucket,
+                Key=self._key,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts},
+            ).result()
         self._pending = bytearray()
         self._fs.invalidate_cache(self._path)
 

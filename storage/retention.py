@@ -4,25 +4,23 @@ Owns deletion. Rules: keep the last ``keep_last`` committed versions and
 checkpoints; never delete a version an engine serves (engines/*.json) or one
 a kept checkpoint points to (meta ``weights_version``). v0 gets no special
 treatment. A commit marker is deleted FIRST, so a reader sees the version
-either whole or absent, never torn. Only the lease holder should call this.
+either whole or absent, never torn. Local staging that no live writer holds
+(``storage.staging``) goes too. Only the lease holder should call this.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import fsspec
 
+from storage import staging
 from storage.checkpoints import committed_checkpoints, read_commit
 from storage.errors import ManifestError, StorageError
 from storage.fs import is_local, join, ls_all, parse_iter_dirs, rm_file, rm_tree
-from storage.layout import COMMIT, MANIFEST, TMP_PREFIX, iter_name, parse_version, version_name
+from storage.layout import COMMIT, MANIFEST, iter_name, parse_version, version_name
 from storage.types import GcReport
-from storage.weights import committed_versions
-
-# Staging folders younger than this may belong to a publish in progress.
-_STAGING_GRACE_S = 3600.0
+from storage.weights import STAGING_PREFIX, committed_versions
 
 
 def gc(
@@ -74,6 +72,8 @@ def gc(
     for path in debris:
         check()
         rm_tree(fs, path)
+    if is_local(fs):  # failed publishes' staging, whichever version and writer it was
+        debris += staging.sweep(wdir, STAGING_PREFIX, guard=check)
     return GcReport(
         deleted_versions=deleted_v,
         deleted_checkpoints=deleted_c,
@@ -87,18 +87,14 @@ def gc(
 def _debris(
     fs: fsspec.AbstractFileSystem, wdir: str, cdir: str, versions: list[int], ckpts: list[int]
 ) -> list[str]:
-    """Uncommitted folders older than the newest commit (a failed publish/save), and
-    local staging folders past their grace period. Newer ones may be in progress."""
+    """Uncommitted folders older than the newest commit (a failed publish/save). Newer
+    ones may be in progress."""
     out = []
     newest_v = versions[-1] if versions else -1
     for name in ls_all(fs, wdir):
         v = parse_version(name)
         if v is not None and v < newest_v and v not in versions:
             out.append(join(wdir, name))
-        elif name.startswith(TMP_PREFIX) and is_local(fs):
-            path = join(wdir, name)
-            if time.time() - fs.modified(path).timestamp() > _STAGING_GRACE_S:
-                out.append(path)
     newest_c = ckpts[-1] if ckpts else -1
     for k in parse_iter_dirs(ls_all(fs, cdir)):
         if k < newest_c and k not in ckpts:

@@ -7,11 +7,13 @@ and fsynced, then the folder is renamed into place. S3: files are uploaded to
 the version prefix, then the manifest PUT commits. Must never modify a
 committed version.
 
-Failure: a file that fails while written (an exception in its ``with`` block,
-or inside ``write``: disk full) abandons the whole writer at once, removing its
-staging folder (local) or its partial objects (S3, best effort). Staging is
-named ``.tmp-v000012-{host}-{pid}-{uuid}``, so a new writer of the version
-removes what a dead writer of this host left (and any past an hour old).
+Failure: a file that fails while written or closed (an exception in its
+``with`` block, or inside ``write`` or ``close``: disk full) abandons the whole
+writer at once, removing its staging folder (local) or its partial objects
+(S3, best effort). A local writer holds its staging folder
+(``.tmp-v000012-{host}-{pid}-{uuid}``) locked while it lives (``storage.staging``),
+so every new writer, and retention, removes the staging that no live writer
+holds: a dead writer's, or one dropped after a failure its caller never cleaned up.
 """
 
 from __future__ import annotations
@@ -21,16 +23,15 @@ import os
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
+from storage import staging
 from storage.errors import ManifestError, StorageError, VersionConflictError
-from storage.fs import dumps, fsync_dir, is_local, join, ls_all, rm_tree, write_bytes
+from storage.fs import dumps, fsync_dir, is_local, join, rm_tree, write_bytes
 from storage.hashio import (
     READ_CHUNK,
     HashingWriter,
@@ -40,18 +41,17 @@ from storage.hashio import (
 )
 from storage.integrity import verify_dir
 from storage.layout import MANIFEST, TMP_PREFIX, check_file_name, version_name
-from storage.lease import owner_dead_here
 from storage.manifests import committed_versions, parse_manifest, read_manifest
 from storage.types import FileEntry, WeightsManifest
 
 log = logging.getLogger("storage")
 
-# Staging older than this whose writer cannot be identified (another host, an old
-# name) is treated as abandoned; a publish never takes this long.
-_STAGING_GRACE_S = 3600.0
-
 # Re-exported: the engines load folders through storage.weights.
+# The staging folders of weight writers (any version) in a weights folder.
+STAGING_PREFIX = f"{TMP_PREFIX}v"
+
 __all__ = [
+    "STAGING_PREFIX",
     "WeightsWriter",
     "committed_versions",
     "parse_manifest",
@@ -106,13 +106,15 @@ class WeightsWriter:
         if self._existing is not None:
             self._stage = ""
         elif self._local:
-            _sweep_stale_staging(weights_dir, version)
-            # host and pid in the name let the next writer tell a dead writer's staging apart.
-            self._stage = join(
+            # Staging no live writer holds: a dead writer's, or a failed one's whose process
+            # lives on (a train actor). Any version's: the run gave up on some of them.
+            staging.sweep(weights_dir, STAGING_PREFIX)
+            # host and pid in the name tell an operator whose it is; the lock tells the sweep.
+            self._held = staging.Stage.create(
                 weights_dir,
-                f"{TMP_PREFIX}{version_name(version)}-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex}",
+                f"{TMP_PREFIX}{version_name(version)}-{os.uname().nodename}-{os.getpid()}-",
             )
-            os.makedirs(self._stage)
+            self._stage = self._held.path
         else:
             # Leftovers of an earlier failed attempt are invisible (no manifest) but would mix in.
             self._guard()
@@ -237,6 +239,7 @@ class WeightsWriter:
                 return self._same_or_conflict(existing, m)
         self._guard()
         os.rename(self._stage, self._final)
+        self._held.release()  # it is the version now, no longer staging
         fsync_dir(self._weights_dir)
         return m
 
@@ -269,7 +272,7 @@ class WeightsWriter:
         if not self._stage:
             return
         if self._local:
-            shutil.rmtree(self._stage, ignore_errors=True)
+            self._held.remove()
             return
         # S3 writes into the version prefix itself: remove the partial objects unless a
         # manifest made them a version meanwhile. Best effort: the endpoint may be what failed,
@@ -288,25 +291,6 @@ class WeightsWriter:
             self.abort()
         elif not self._finished:
             self.abort()
-
-
-def _sweep_stale_staging(weights_dir: str, version: int) -> None:
-    """Remove staging of ``version`` left by dead writers: those named by this host with
-    a pid that is gone, and any past the grace period. A live writer's is kept."""
-    prefix = f"{TMP_PREFIX}{version_name(version)}-"
-    for name in ls_all(LocalFileSystem(), weights_dir):
-        if not name.startswith(prefix):
-            continue
-        path = join(weights_dir, name)
-        host, _, pid = name[len(prefix) :].rsplit("-", 1)[0].rpartition("-")  # drop the uuid
-        dead = owner_dead_here(f"{host}:{pid}")
-        try:
-            old = time.time() - os.path.getmtime(path) > _STAGING_GRACE_S
-        except FileNotFoundError:
-            continue
-        if dead or old:
-            log.info("removing stale staging %s of a dead writer", path)
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _fsync_path(path: str) -> None:

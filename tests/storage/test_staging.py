@@ -1,10 +1,10 @@
-"""A failed publish leaves no staging behind, and a new writer of the same version
-sweeps what a dead writer left."""
+"""A failed publish leaves no staging behind (a full disk in write or in close), and a
+new writer or the retention pass sweeps whatever staging no live writer holds."""
 
 import os
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 from store_helpers import payload, publish
@@ -65,22 +65,97 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def test_new_writer_sweeps_stale_staging_of_its_version(tmp_path):
-    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "r")
+# A writer in another process, alive until its stdin closes: its staging is held.
+_LIVE_WRITER = r"""
+import sys
+from storage import RunStore, StorageConfig
+
+w = RunStore(StorageConfig(root=sys.argv[1]), "r").weights_writer(4, 4, 3)
+with w.open("config.json") as f:
+    f.write(b"{}")
+print("writing", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_new_writer_sweeps_the_staging_no_live_writer_holds(tmp_path):
+    """Left behind: a killed writer's staging, and one of a writer of this very process
+    (a train actor lives on after its publish failed) whose caller never aborted it.
+    Both go at the next publish, of any version; live writers' staging stays, in this
+    process and in another."""
+    root = str(tmp_path / "runs")
+    store = RunStore(StorageConfig(root=root), "r")
     publish(store, 1)
     wdir = os.path.dirname(store.version_url(1))
     host = os.uname().nodename
     dead = f".tmp-v000002-{host}-{_dead_pid()}-aaaa"  # a writer killed mid-publish
-    legacy = ".tmp-v000002-0123abcd"  # older naming, two hours old
-    live = f".tmp-v000002-{host}-{os.getpid()}-bbbb"  # a writer of this process: alive
-    other = f".tmp-v000003-{host}-{_dead_pid()}-cccc"  # another version: not ours to judge
-    for name in (dead, legacy, live, other):
+    legacy = ".tmp-v000002-0123abcd"  # older naming
+    mine = f".tmp-v000003-{host}-{os.getpid()}-bbbb"  # this process, no writer holds it
+    for name in (dead, legacy, mine):
         os.makedirs(os.path.join(wdir, name))
         open(os.path.join(wdir, name, "model.safetensors"), "wb").write(b"x" * 100)
-    two_hours_ago = time.time() - 7200
-    os.utime(os.path.join(wdir, legacy), (two_hours_ago, two_hours_ago))
-    publish(store, 2)
-    assert _weights_entries(store) == sorted([live, other, "v000001", "v000002"])
+    here = store.weights_writer(5, 5, 4)  # live, in this process
+    other = subprocess.Popen(
+        [sys.executable, "-c", _LIVE_WRITER, root],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=str(Path(__file__).resolve().parents[2]),
+    )
+    try:
+        assert other.stdout.readline().strip() == "writing"
+        live = sorted(
+            n for n in _weights_entries(store) if n.startswith((".tmp-v000004", ".tmp-v000005"))
+        )
+        assert len(live) == 2
+        publish(store, 2)
+        assert _weights_entries(store) == sorted([*live, "v000001", "v000002"])
+    finally:
+        other.stdin.close()
+        other.wait(timeout=30)
+    # The other process ended without committing: its staging is no writer's any more.
+    with here.open("config.json") as f:
+        f.write(b"{}")
+    here.commit()
+    publish(store, 6)
+    assert _weights_entries(store) == ["v000001", "v000002", "v000005", "v000006"]
+
+
+def test_a_file_whose_tail_meets_a_full_disk_at_close_removes_staging(tmp_path):
+    """A real ENOSPC (/dev/full) when ``close`` writes the buffered tail of a small file,
+    as a config.json or an index does on a full disk: the writer drops its staging."""
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "r")
+    publish(store, 1)
+    w = store.weights_writer(2, 2, 1)
+    (stage,) = [n for n in _weights_entries(store) if n.startswith(".tmp-")]
+    wdir = os.path.dirname(store.version_url(1))
+    os.symlink("/dev/full", os.path.join(wdir, stage, "config.json"))
+    with pytest.raises(OSError, match="No space left"):
+        with w.open("config.json") as f:
+            f.write(b'{"model_type": "llama"}')  # gathered: written at close
+    assert _weights_entries(store) == ["v000001"]
+    with pytest.raises(StorageError, match="config.json.*publish it again"):
+        w.commit()
+
+
+def test_retention_removes_staging_that_no_live_writer_holds(tmp_path):
+    """Two failed attempts at v3 left their staging (the run gave up); the next
+    retention pass removes both, and leaves the staging of a live writer."""
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "r")
+    for v in (1, 2):
+        publish(store, v)
+    live = store.weights_writer(4, 4, 3)
+    wdir = os.path.dirname(store.version_url(1))
+    left = [f".tmp-v000003-{os.uname().nodename}-{os.getpid()}-{i}" for i in "ab"]
+    for name in left:
+        os.makedirs(os.path.join(wdir, name))
+        open(os.path.join(wdir, name, "model.safetensors"), "wb").write(b"x" * 100)
+    report = store.gc(keep_last=5)
+    assert sorted(os.path.basename(p) for p in report.removed_debris) == left
+    (staged,) = [n for n in _weights_entries(store) if n.startswith(".tmp-")]
+    assert staged.startswith(".tmp-v000004")
+    live.abort()
+    assert _weights_entries(store) == ["v000001", "v000002"]
 
 
 def test_disk_full_inside_write_removes_staging(tmp_path):
