@@ -185,3 +185,17 @@ def test_an_mlflow_file_store_must_be_a_writable_folder(tmp_path):
 def test_rays_own_resource_names_are_refused_at_load(key, name):
     with pytest.raises(ConfigError, match=rf"{key} '{name}' is not a custom resource"):
         load_config(None, {key: name, "weights.transport": "disk"})
+
+
+def test_a_maintenance_flow_opens_a_run_whose_dataset_moved(tmp_path):
+    """gc and reload read no dataset and log to no tracker: a dataset moved away
+    since the run, or a tracking server stopped, must not block them."""
+    from flows.maintenance_flows import RunRef, open_run
+    from storage.run_store import RunStore
+
+    data = _jsonl(tmp_path / "d.jsonl", GOOD_ROWS)
+    cfg = _cfg(tmp_path / "runs", **{"rollout.task": data, "eval.interval": 1})
+    RunStore(cfg.storage, cfg.run.name).write_run_json({"config": cfg.model_dump(mode="json")})
+    Path(data).unlink()
+    ctx = open_run(RunRef(run_name=cfg.run.name, storage_root=cfg.storage.root))
+    assert ctx.cfg.rollout.task == data
