@@ -16,6 +16,7 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
+from tasks import lease as run_lease
 from tasks import tracking_config
 from tasks.cluster import check_address, connect_ray, start_local_ray
 from tasks.config import ConfigError, RunConfig
@@ -201,7 +202,11 @@ def take_lease(ctx: RunContext, force: bool = False, wait: bool = True) -> RunCo
     ``wait=False`` refuses at once when a holder may be alive, instead of watching
     its renewals for a TTL (maintenance flows: an operator wants the answer now)."""
     lease = ctx.store.acquire_lease(ctx.owner, ctx.cfg.storage.lease_ttl_s, force=force, wait=wait)
-    return dataclasses.replace(ctx, fence=lease.fence)
+    ctx = dataclasses.replace(ctx, fence=lease.fence)
+    # Renewed from now on, not from when the flow's LeaseKeeper starts: a taker
+    # watching a holder that writes run.json and v0 silently would take it over.
+    run_lease.hold(ctx)
+    return ctx
 
 
 def prepare_run(cfg: RunConfig, force_lease: bool = False) -> RunContext:
@@ -217,7 +222,7 @@ def prepare_run(cfg: RunConfig, force_lease: bool = False) -> RunContext:
         publish_base(ctx)
     except BaseException:
         # The run never started: the next one (or a maintenance flow) may write at once.
-        ctx.store.release_lease(ctx.owner)
+        run_lease.release(ctx)
         raise
     return ctx
 
