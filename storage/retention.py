@@ -57,10 +57,7 @@ def gc(
 
     deleted_v = [v for v in versions if v not in keep_v]
     for v in deleted_v:
-        vdir = join(wdir, version_name(v))
-        check()
-        rm_file(fs, join(vdir, MANIFEST))  # uncommit first
-        rm_tree(fs, vdir)
+        discard_version(fs, wdir, v, check)
     deleted_c = [k for k in ckpts if k not in kept_c]
     for k in deleted_c:
         d = join(cdir, iter_name(k))
@@ -82,6 +79,17 @@ def gc(
         protected=protected,
         removed_debris=debris,
     )
+
+
+def discard_version(
+    fs: fsspec.AbstractFileSystem, wdir: str, version: int, guard: Callable[[], None]
+) -> None:
+    """Remove one version: its manifest first (readers see it absent, never torn), then
+    its files. ``guard`` (the fence check) runs before anything is removed."""
+    vdir = join(wdir, version_name(version))
+    guard()
+    rm_file(fs, join(vdir, MANIFEST))
+    rm_tree(fs, vdir)
 
 
 def _debris(

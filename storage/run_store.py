@@ -182,6 +182,20 @@ class RunStore:
         state, why = _integrity.version_status(self.fs, self._weights_dir, version)
         return None if state == "committed" else why
 
+    def discard_damaged_version(self, version: int) -> str:
+        """Take a damaged version away so that it can be published again (a writer never
+        rewrites a manifest that reads): its manifest first, then its files. Returns why
+        it was damaged; StorageError, removing nothing, unless it is damaged. Holder only."""
+        state, why = _integrity.version_status(self.fs, self._weights_dir, version)
+        if state != "damaged":
+            raise StorageError(
+                f"weights {version_name(version)} of run {self.run_name!r} is {state}, not "
+                "damaged: nothing was removed (only a damaged version is discarded)"
+            )
+        log.warning("discarding damaged weights version %d to republish it: %s", version, why)
+        _retention.discard_version(self.fs, self._weights_dir, version, self.check_fence)
+        return why
+
     def verify_version(self, version: int) -> WeightsManifest:
         """Hash every file of ``version`` against its manifest; IntegrityError naming the
         file and the fix on any difference, ManifestError when the manifest is bad."""

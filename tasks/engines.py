@@ -39,19 +39,17 @@ def newest_published(ctx, k: int) -> int:
 def ensure_published(ctx, v: int) -> None:
     """Make the version the ledger calls published readable again: republish it
     (v0 from the base model, v >= 1 from trainer state v, rebuilt from a
-    checkpoint and the persisted rollouts), or fail naming the version and the fix."""
+    checkpoint and the persisted rollouts), or fail naming the version and the fix.
+    A version damaged under a manifest that still reads (a shard cut short) is
+    discarded once state v is rebuilt, then published again."""
     store = ctx.store
     state = store.version_state(v)
     if state == "committed":
         return
     why, url = store.version_problem(v), store.version_url(v)
-    if _manifest_reads(store, v):
-        # Files missing under a manifest that parses: a writer keeps that
-        # manifest (committed versions are immutable), so republishing cannot help.
-        raise RuntimeError(
-            f"weights v{v} of run {ctx.run_name!r} is damaged ({why}) although the ledger records "
-            f"it as published; delete its folder {url} and rerun: the step republishes it"
-        )
+    # A writer never rewrites a manifest that reads (committed versions are immutable):
+    # such a version must be taken away before it can be published again.
+    in_place = _manifest_reads(store, v)
     log.warning(
         "weights v%d of run %r is %s (%s) although the ledger records it as published; republishing it",
         v,
@@ -63,17 +61,22 @@ def ensure_published(ctx, v: int) -> None:
         if v == 0:
             from tasks.prepare import publish_base
 
+            if in_place:
+                store.discard_damaged_version(v)
             publish_base(ctx)
         else:
             colocate.for_training(ctx)  # the trainer needs the devices to rebuild state v
             trainer = ctx.trainer()
             trainer.ensure_state(v, ctx.base_model_path)
+            if in_place:  # only now: had state v not been rebuilt, the folder stays as it was
+                store.discard_damaged_version(v)
             trainer.export_hf(v, v, newest_published(ctx, v - 1))
     except Exception as e:
         raise RuntimeError(
-            f"weights v{v} of run {ctx.run_name!r} ({url}) is {state} although the ledger records "
-            f"it as published, and republishing it from trainer state {v} failed ({e}); restore "
-            "the version folder from a backup, or rerun once the cause above is fixed"
+            f"weights v{v} of run {ctx.run_name!r} ({url}) is {state} ({why}) although the "
+            f"ledger records it as published, and republishing it from trainer state {v} "
+            f"failed ({e}); restore the version folder from a backup, or rerun once the cause "
+            "above is fixed"
         ) from e
     if store.version_state(v) != "committed":
         raise RuntimeError(

@@ -188,14 +188,15 @@ def test_a_published_version_with_its_manifest_gone_is_republished_not_replaced(
     # ... which was republished from trainer state 2, byte for byte.
     assert store.read_manifest(2).file_set() == files
     assert store.committed_versions() == [0, 1, 2, 3]
-    # A shard gone under a manifest that still reads cannot be republished in
-    # place: the next rollout refuses, naming the version and the fix.
+    # A shard of the newest version cut short under a manifest that still reads: the
+    # continued run discards v3 and republishes it from checkpoint 3, byte for byte.
+    files3 = store.read_manifest(3).file_set()
     shard = next(Path(store.local_version_dir(3)).glob("*.safetensors"))
-    shard.unlink()
-    with pytest.raises(
-        RuntimeError, match=r"weights v3 of run 'gone' is damaged .*delete its folder"
-    ):
-        expected_version(ctx3, 4)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    assert store.version_state(3) == "damaged" and 3 in store.committed_checkpoints()
+    assert expected_version(ctx3, 4) == 3
+    assert store.read_manifest(3).file_set() == files3
+    assert store.verify_version(3).version == 3
 
 
 def test_step_warnings_reach_the_task_run_log(prefect_api, tmp_path):

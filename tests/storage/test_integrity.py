@@ -59,6 +59,25 @@ def test_staging_of_a_version_reads_as_damaged(tmp_path):
     assert store.version_state(2) == "damaged" and store.version_state(3) == "absent"
 
 
+def test_a_version_cut_short_is_discarded_and_published_again(store):
+    """A shard cut short under a manifest that reads: a writer keeps that manifest, so
+    the holder discards the version (manifest first) and publishes it again."""
+    publish(store, 1)
+    committed = store.read_manifest(1).file_set()
+    path = f"{store.version_url(1)}/model.safetensors"
+    store.fs.pipe_file(path, store.fs.cat_file(path)[:1000])  # truncated
+    assert store.version_state(1) == "damaged"
+    publish(store, 1)  # identical content again: the damaged files stay as they are
+    assert store.version_state(1) == "damaged"
+    assert "model.safetensors" in store.discard_damaged_version(1)
+    assert store.version_state(1) == "absent"
+    publish(store, 1)
+    assert store.version_state(1) == "committed" and store.read_manifest(1).file_set() == committed
+    with pytest.raises(StorageError, match="is committed, not damaged: nothing was removed"):
+        store.discard_damaged_version(1)
+    assert store.verify_version(1).version == 1
+
+
 def test_verify_version_hashes_every_byte(store):
     publish(store, 1)
     assert store.verify_version(1).version == 1
