@@ -13,7 +13,11 @@ Contracts:
   ``RunStore(cfg, run, fence=N)`` checks lease.json before every commit and raises
   ``LeaseLostError`` once another writer took the run (``storage.lease``).
 - Loaders trust a folder only after ``verify_dir`` (sizes + sha256 against its own
-  manifest.json); ``RunStore.version_state`` tells committed / absent / damaged.
+  manifest.json); ``RunStore.version_state`` tells committed / absent / damaged, and
+  the holder may ``discard_damaged_version`` to publish a damaged one again.
+- A local staging folder is its writer's while the writer holds its flock
+  (``storage.staging``); new writers and gc remove the staging nobody holds.
+- ``storage.runs`` lists a root's runs read-only; a damaged record is shown, never fatal.
 - ``check_root(cfg)`` before anything starts turns bad roots into clear errors.
 - Imports neither prefect, ray nor torch.
 """
