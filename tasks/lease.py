@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 from storage.errors import LeaseLostError
 from tasks import retention
+
+if TYPE_CHECKING:
+    from tasks.context import RunContext
 
 log = logging.getLogger("prefect_rl.lease")
 
@@ -30,7 +34,7 @@ log = logging.getLogger("prefect_rl.lease")
 class _Renewals:
     """The thread that renews one acquisition of the lease every TTL/3."""
 
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
         self.lost: LeaseLostError | None = None
         self._stop = threading.Event()
@@ -65,11 +69,11 @@ _held: dict[tuple[str, str, int | None], _Renewals] = {}
 _held_lock = threading.Lock()
 
 
-def _key(ctx) -> tuple[str, str, int | None]:
+def _key(ctx: RunContext) -> tuple[str, str, int | None]:
     return (ctx.store.url, ctx.owner, ctx.fence)
 
 
-def hold(ctx) -> _Renewals:
+def hold(ctx: RunContext) -> _Renewals:
     """Renew ``ctx``'s lease from now on (idempotent: the running renewals, if any)."""
     with _held_lock:
         renewals = _held.get(_key(ctx))
@@ -79,7 +83,7 @@ def hold(ctx) -> _Renewals:
         return renewals
 
 
-def release(ctx) -> None:
+def release(ctx: RunContext) -> None:
     """Stop renewing and release the lease (left alone when another writer took it)."""
     with _held_lock:
         renewals = _held.pop(_key(ctx), None)
@@ -94,7 +98,7 @@ class LeaseKeeper:
     """The flow's hold on the lease: adopts the renewals ``take_lease`` started (or
     starts them), and on exit waits for retention, then releases the lease."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
         self._renewals: _Renewals | None = None
 
