@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 _control = ray.method(concurrency_group=CONTROL_GROUP)
 TESTED_API = "0.5.x (tested on 0.5.17)"
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
 
 
 @functools.cache
@@ -66,6 +67,7 @@ class SGLangEngine:
         self.client = EngineClient(self.url, api_key=api_key, retries=2)
         self.startup_s = self._server.wait_ready(self.client)
         self._groups: set[str] = set()  # broadcast groups this server has joined
+        self._released: set[str] = set()  # memory tags the server holds released
         self._version_text: str | None = None
         log.info("engine %d: SGLang ready in %.1fs at %s", engine_id, self.startup_s, self.url)
 
@@ -286,12 +288,28 @@ class SGLangEngine:
         self.client.abort_request(rid, abort_all)
 
     @_control
-    def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
-        return self._call("release memory", self.client.release_memory_occupation, tags)
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Sleep: free the GPU memory of ``tags`` (all by default). Idempotent, as on the
+        embedded engine: SGLang itself fails on a tag it holds released already."""
+        wanted = [t for t in (tags or MEMORY_TAGS) if t not in self._released]
+        if wanted:
+            self._call("release memory", self.client.release_memory_occupation, wanted)
+            self._released.update(wanted)
+        return self._memory_state(changed=bool(wanted))
 
     @_control
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
-        return self._call("resume memory", self.client.resume_memory_occupation, tags)
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Wake what is released of ``tags`` (all by default). Idempotent: SGLang's
+        scheduler dies (KeyError) on resuming a tag it never released (seen on 0.5.17)."""
+        wanted = [t for t in (tags or MEMORY_TAGS) if t in self._released]
+        if wanted:
+            self._call("resume memory", self.client.resume_memory_occupation, wanted)
+            self._released.difference_update(wanted)
+        return self._memory_state(changed=bool(wanted))
+
+    def _memory_state(self, changed: bool) -> dict[str, Any]:
+        state = "asleep" if self._released else "awake"
+        return {"success": True, "state": state, "changed": changed, "mode": "sglang"}
 
     @_control
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:

@@ -125,3 +125,22 @@ def test_launcher_passes_the_token_as_api_key_and_never_logs_it(
         assert token not in (tmp_path / "engine-0.log").read_text()
     finally:
         eng.stop()
+
+
+def test_sglang_sleep_and_wake_are_idempotent(tmp_path, tiny_dir):
+    """Colocation wakes an engine that may be awake already; real SGLang 0.5.17 kills its
+    scheduler on resuming a tag it never released, so the actor resumes only what it
+    released, and reports its state as the embedded engine does."""
+    eng = SGLangEngine(str(tiny_dir), 0, _cfg(tmp_path))
+    try:
+        woke = eng.resume_memory_occupation()  # awake already: nothing is sent
+        assert (woke["state"], woke["changed"]) == ("awake", False)
+        slept = eng.release_memory_occupation(["weights"])
+        assert (slept["state"], slept["changed"]) == ("asleep", True)
+        again = eng.release_memory_occupation(["weights"])
+        assert (again["state"], again["changed"]) == ("asleep", False)
+        assert eng.resume_memory_occupation()["changed"] is True
+        assert eng.resume_memory_occupation()["changed"] is False
+        assert eng.client.health_generate()  # the server lived through all of it
+    finally:
+        eng.stop()
