@@ -114,8 +114,31 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_model(args: argparse.Namespace) -> int:
+    # `import-model NAME [DIR]` or `import-model --gguf FILE DIR`.
+    from training.model_import import ModelImportError, import_gguf
+    from training.model_packages import PACKAGED_MODELS, import_packaged
+
+    try:
+        if args.gguf:
+            if args.name is None or args.dir is not None:
+                raise ModelImportError("give one folder to write: import-model --gguf FILE DIR")
+            out = import_gguf(args.gguf, args.name)
+        elif args.name is None:
+            raise ModelImportError(
+                f"name a packaged model ({', '.join(PACKAGED_MODELS)}) or give --gguf FILE DIR"
+            )
+        else:
+            out = import_packaged(args.name, args.dir)
+    except ModelImportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"model in {out}; use it with --set model.path={out}")
+    return 0
+
+
 def _serve_engine(args: argparse.Namespace) -> int:
-    from engines.http_server import serve_model
+    from engines.embedded.serve import serve_model
 
     try:
         serve_model(
@@ -160,6 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     runs.add_argument("root", nargs="?", default="runs", help="storage.root (default: runs)")
     runs.add_argument("--s3-endpoint-url", default=None, help="storage.s3.endpoint_url")
     runs.set_defaults(fn=_runs)
+    imp = sub.add_parser(
+        "import-model",
+        help="write an HF checkpoint of a packaged model (smollm2-135m-instruct) or a GGUF file",
+    )
+    imp.add_argument("name", nargs="?", help="packaged model name (with --gguf: the folder)")
+    imp.add_argument("dir", nargs="?", help="folder to write (default ~/.cache/prefect-rl/NAME)")
+    imp.add_argument("--gguf", metavar="FILE", help="convert this GGUF file instead")
+    imp.set_defaults(fn=_import_model)
     serve = sub.add_parser(
         "serve-engine", help="serve one embedded engine over SGLang's HTTP API (no Ray)"
     )

