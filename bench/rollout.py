@@ -25,7 +25,7 @@ Each side is warmed up once with a short run of the same batch, then runs
 alternate (engine, HF, engine, HF ...) so load from other processes hits
 both alike; on CUDA every timing is bracketed by ``torch.cuda.synchronize()``.
 A third number times the engine's per-step sampling alone
-(``engines.sampling.sample_rows`` on the logits' device) at each batch size,
+(``engines.embedded.sampling.sample_rows`` on the logits' device) at each batch size,
 to show how much of an engine step it is. Prints one markdown table of medians; writes
 bench/results/rollout.json (CPU) or rollout_cuda.json (CUDA). No assertions
 about speed.
@@ -60,8 +60,8 @@ from transformers import (  # noqa: E402
 )
 
 from engines.config import EngineConfig  # noqa: E402
-from engines.embedded import EmbeddedEngine  # noqa: E402
-from engines.sampling import make_generator, sample_rows  # noqa: E402
+from engines.embedded.engine import EmbeddedEngine  # noqa: E402
+from engines.embedded.sampling import make_generator, sample_rows  # noqa: E402
 from engines.types import SamplingParams  # noqa: E402
 from training.tiny_model import build_tokenizer, write_tiny_model  # noqa: E402
 
@@ -162,7 +162,7 @@ def paired(
 def host_sampling_ms(engine: EmbeddedEngine, batch: int, repeats: int = 3) -> float:
     """Median ms of the decode loop's per-step sampling alone at this batch size.
 
-    What ``engines.decode`` does with each step's logits: ``sample_rows`` on
+    What ``engines.embedded.decode`` does with each step's logits: ``sample_rows`` on
     their device, one CPU generator per row drawing one uniform each.
     Random logits in the model's dtype on its device stand in for real ones.
     """

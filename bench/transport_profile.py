@@ -79,7 +79,7 @@ class Consumer:
         return self.socket.address()
 
     def apply_resident(self, handles: list) -> dict:
-        from engines.weight_cache import ReceiverCache
+        from engines.embedded.weight_cache import ReceiverCache
 
         self.cache = self.cache or ReceiverCache()
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Rollout engines: SGLang's control API served by an embedded torch engine, and the group.
+"""Rollout engines behind one protocol (SGLang's API): real SGLang or the embedded engine.
 
 Contracts:
 - An engine speaks SGLang's API by method name and result shape
@@ -23,16 +23,18 @@ Contracts:
 - Imports torch, transformers and ray; never prefect. This ``__init__``
   imports nothing, so ``engines.config`` stays light for config parsing.
 
-Modules: ``config`` (EngineConfig), ``types`` (wire shapes, request limits),
-``embedded`` (EmbeddedEngine), ``batching`` (its queue, decode worker,
-pausing, deadlines, liveness), ``decode`` (batched KV-cache decode loop),
-``sampling`` (per-row seeded sampling), ``weights`` (all-or-nothing reload
-checks), ``weight_files`` (confined, manifest-verified reading of an HF dir),
-``security`` (token, browser and path rules), ``safe_pickle`` (the allow-list
-unpickler), ``http_base`` + ``http_server`` (the HTTP API), ``sglang`` (the
-SGLang launcher),
-``group`` (EngineGroup; ``actor_history`` tells its first start from a
-restart), ``flat_bucket`` (SGLang's flattened_bucket wire
-format), ``weight_receiver`` + ``memory_updates`` (update_weights_from_tensor /
-_distributed: shared memory or CUDA IPC buckets, gloo/NCCL broadcast groups).
+Layout: what every engine shares is here; each engine kind is one room.
+
+- The group and the protocol: ``group`` (EngineGroup; ``actor_history`` tells a
+  first start from a restart), ``placement``, ``actor_options`` (the actor shape
+  both kinds take), ``client`` (the SGLang HTTP client that reload, verify and
+  multi-turn rollout use for either kind), ``types`` (wire shapes, request
+  limits), ``config`` (EngineConfig, SGLangConfig), ``deadline``, ``node_pull``,
+  ``security`` (token, browser and path rules), ``device_memory`` (sleep/wake).
+- The weight wire between trainer and engines: ``flat_bucket`` (SGLang's
+  flattened_bucket layout), ``flat_binding``, ``weight_receiver`` (CUDA IPC /
+  shared-memory handles, gloo/NCCL broadcast groups), ``safe_pickle`` (the
+  allow-list unpickler), ``update_socket``, ``weights`` (all-or-nothing checks).
+- ``embedded/``: the embedded torch engine (its own ``__init__`` lists its parts).
+- ``sglang/``: a real SGLang server per engine (process, actor, wire formats).
 """

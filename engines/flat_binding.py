@@ -8,7 +8,7 @@ they still are. Both ends of a resident ``tensor`` push use it:
   fill: the buffer the engine has open *is* the weights (``training.weight_staging``);
 - the engine binds its weights into a local flat buffer with the producer's
   layout, so an update is one device copy per dtype instead of one per tensor
-  (``FlatPlan``, used by ``engines.weight_cache``).
+  (``FlatPlan``, used by ``engines.embedded.weight_cache``).
 
 A binding breaks when something replaces a tensor's storage (a sleep that moved
 the weights to the host and back, a rebuilt model); ``is_bound`` sees it and the

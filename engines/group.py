@@ -47,7 +47,7 @@ from engines import deadline
 from engines.actor_history import ran_before
 from engines.client import EngineClient
 from engines.config import EngineConfig
-from engines.embedded import EngineDeadError, actor_class
+from engines.embedded.engine import EngineDeadError, actor_class
 from engines.node_pull import pull_on_node
 from engines.placement import SharedPlacement, pinned, unplaceable
 from engines.types import GenerateResult

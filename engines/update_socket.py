@@ -1,6 +1,6 @@
 """A same-host signal for cached weight updates: one Unix socket per engine process.
 
-Why: once an engine holds a producer's staging buffer open (``engines.weight_cache``),
+Why: once an engine holds a producer's staging buffer open (``engines.embedded.weight_cache``),
 an update is a few hundred microseconds of device copy, and a Ray actor call
 around it costs more than the copy (about 1.4 ms on the H200 host, 0.76 GB of
 bf16 copied in 0.47 ms). Only the signal moves here; the weights stay where

@@ -7,7 +7,7 @@ Owns turning what a trainer hands over into tensors copied into the model:
   Handles are checked before use (``check_handle``): only the allow-listed
   unpickler reads their bytes (``engines.safe_pickle``), and a shared-memory
   handle may only name a producer segment in the shared-memory folder.
-  A handle may carry ``cache`` (``engines.weight_cache``): the producer keeps
+  A handle may carry ``cache`` (``engines.embedded.weight_cache``): the producer keeps
   that buffer across updates and the receiver keeps it open;
 - ``distributed`` buckets: flat tensors received by broadcast from trainer
   rank 0 over a process group of its own (gloo on CPU, NCCL on GPU), built

@@ -4,7 +4,7 @@ Owns the all-or-nothing rule of a weight reload: every tensor is read and
 checked (names, shapes) before the first parameter is touched, so a broken
 or mismatched directory leaves the old weights serving; and the errors a
 reload can end with. Reading the directory (confined, verified against its
-manifest) is ``engines.weight_files``. Never builds a model and never changes
+manifest) is ``engines.embedded.weight_files``. Never builds a model and never changes
 its architecture.
 """
 

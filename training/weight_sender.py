@@ -6,7 +6,7 @@ Owns handing the full state to one engine actor:
   flat tensor per dtype, registered once (a CUDA IPC handle on GPU, a
   shared-memory segment on CPU) and refilled at each update; one signal per
   update, which the engine answers from its cache of opened handles
-  (``engines.weight_cache``). The signal is a line on the engine's Unix socket
+  (``engines.embedded.weight_cache``). The signal is a line on the engine's Unix socket
   (``engines.update_socket``) when a single-rank engine offers one, else a Ray
   call; the first update to an engine goes over Ray in full. The layout is
   learnt from the first push, which streams. An engine that does not hold the

@@ -6,7 +6,7 @@ the layout, allocated and registered once, then refilled at each update with
 one fused copy per dtype. On GPU each flat buffer is exported as a CUDA IPC
 handle once (its pickled bytes are kept); on CPU the buffers are views of one
 shared-memory segment. The handles carry ``cache = {channel, key, keep}`` so the
-engine keeps them open (``engines.weight_cache``): an update is then one fill,
+engine keeps them open (``engines.embedded.weight_cache``): an update is then one fill,
 one Ray call and one copy on the engine, whatever the number of tensors.
 
 Memory: a single train rank binds its weights into the staging buffer

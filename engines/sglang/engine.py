@@ -26,9 +26,9 @@ from typing import Any
 
 import ray
 
+from engines.actor_options import CONTROL_CONCURRENCY, CONTROL_GROUP, GENERATE_CONCURRENCY
 from engines.client import EngineClient, EngineHTTPError
 from engines.config import EngineConfig
-from engines.embedded import CONTROL_CONCURRENCY, CONTROL_GROUP, GENERATE_CONCURRENCY
 from engines.sglang.server import SGLangServer
 from engines.types import GenerateResult, PauseMode, UpdateWeightsResult
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engines.http_server import serve_model  # noqa: E402
+from engines.embedded.serve import serve_model  # noqa: E402
 
 
 def main() -> None:

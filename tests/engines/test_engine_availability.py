@@ -21,11 +21,11 @@ import httpx
 import pytest
 import ray
 
-from engines.batching import EngineDeadError
 from engines.config import EngineConfig
-from engines.embedded import EmbeddedEngine
+from engines.embedded.batching import EngineDeadError
+from engines.embedded.engine import EmbeddedEngine
+from engines.embedded.http_server import ServerSettings, serve_in_thread
 from engines.group import EngineGroup
-from engines.http_server import ServerSettings, serve_in_thread
 
 PROMPT = [1, 5, 6, 7, 25, 8]
 GOOD = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "sampling_seed": 1}}

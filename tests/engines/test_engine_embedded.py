@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engines.config import EngineConfig
-from engines.embedded import EmbeddedEngine
+from engines.embedded.engine import EmbeddedEngine
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 12}
 

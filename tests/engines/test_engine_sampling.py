@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.sampling import make_generator, sample_row, sample_rows
+from engines.embedded.sampling import make_generator, sample_row, sample_rows
 from engines.types import SamplingParams
 
 PARAMS = [

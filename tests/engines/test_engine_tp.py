@@ -13,9 +13,9 @@ import pytest
 import ray
 
 from engines.config import EngineConfig
+from engines.embedded.weight_files import read_state_dict
 from engines.flat_bucket import flatten
 from engines.group import EngineGroup
-from engines.weight_files import read_state_dict
 from training.weight_sender import BroadcastSender, ShmSegment
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "stop_token_ids": []}

@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse
 
 from engines.client import EngineClient, EngineHTTPError
 from engines.config import EngineConfig
-from engines.embedded import EmbeddedEngine
-from engines.http_server import HttpServerThread, ServerSettings, serve_in_thread
+from engines.embedded.engine import EmbeddedEngine
+from engines.embedded.http_server import HttpServerThread, ServerSettings, serve_in_thread
 
 TOKEN = "s3cret-token"
 JSON = {"Content-Type": "application/json"}

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from engines import weight_receiver as wr
 from engines.client import EngineClient
 from engines.config import EngineConfig
-from engines.embedded import EmbeddedEngine
+from engines.embedded.engine import EmbeddedEngine
+from engines.embedded.http_server import ServerSettings, serve_in_thread
 from engines.flat_bucket import flatten, iter_buckets
-from engines.http_server import ServerSettings, serve_in_thread
 from training.tiny_model import write_tiny_model
 from training.weight_sender import ShmSegment
 

@@ -17,9 +17,9 @@ import torch
 
 from engines import weight_receiver as wr
 from engines.config import EngineConfig
-from engines.embedded import EmbeddedEngine
+from engines.embedded.engine import EmbeddedEngine
+from engines.embedded.http_server import NO_TENSOR_OVER_HTTP, ServerSettings, serve_in_thread
 from engines.flat_bucket import TensorMeta, flatten
-from engines.http_server import NO_TENSOR_OVER_HTTP, ServerSettings, serve_in_thread
 from engines.safe_pickle import UnsafePickleError, safe_loads
 from training.weight_sender import ShmSegment
 

@@ -17,8 +17,8 @@ import ray
 
 from engines.client import EngineClient, EngineHTTPError
 from engines.config import EngineConfig
-from engines.embedded import EmbeddedEngine
-from engines.http_server import ServerSettings, serve_in_thread
+from engines.embedded.engine import EmbeddedEngine
+from engines.embedded.http_server import ServerSettings, serve_in_thread
 from engines.weights import WeightIntegrityError
 from storage.weights import WeightsWriter
 

@@ -1,4 +1,4 @@
-"""The engine's cache of opened ``tensor`` buckets (``engines.weight_cache``) with
+"""The engine's cache of opened ``tensor`` buckets (``engines.embedded.weight_cache``) with
 the trainer's resident staging buffer (``training.weight_staging``), on CPU
 shared memory: later updates reuse the opened segment without its metadata,
 an unknown key is a cache miss, tied weights travel once, and a bucket that does
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engines import weight_receiver as wr
-from engines.weight_cache import CacheMiss, ReceiverCache, apply
+from engines.embedded.weight_cache import CacheMiss, ReceiverCache, apply
 from engines.weights import WeightLoadError
 from training.weight_staging import Layout, Staging, has_room, sweep_dead_segments
 

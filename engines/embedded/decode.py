@@ -8,7 +8,7 @@ hook decides whether to keep going, and ``step_lock`` guards every forward so
 weights can be swapped between steps. A row past its ``deadline`` ends with
 finish reason abort at the next step. Forwards and cache edits go through a
 ``ModelRunner`` (one per decode call), so an engine spanning several ranks
-(``engines.tensor_parallel``) mirrors each of them on its other ranks.
+(``engines.embedded.tensor_parallel``) mirrors each of them on its other ranks.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from engines.sampling import sample_rows
+from engines.embedded.sampling import sample_rows
 from engines.types import FinishReason, GenerateResult, SamplingParams
 
 

@@ -1,7 +1,7 @@
 """Plumbing of the engine's HTTP server: settings, request parsing, error
 bodies and a uvicorn server on a thread.
 
-Owns nothing about engines or routes (``engines.http_server`` does): a body
+Owns nothing about engines or routes (``engines.embedded.http_server`` does): a body
 is parsed into its pydantic model or a BadRequest that names what is wrong,
 and error replies are SGLang's ``ErrorResponse`` shape.
 """

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from engines import tensor_parallel as tpar
 from engines import weight_receiver as wr
+from engines.embedded import tensor_parallel as tpar
 from engines.flat_binding import FlatPlan, adopt, resolve
 from engines.weights import WeightLoadError
 

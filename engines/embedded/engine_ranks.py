@@ -2,7 +2,7 @@
 
 Owns ranks 1..tp-1: each is a Ray actor (``EngineRank``) on its own bundle of
 the engine's placement group, holding its shard of the model
-(``engines.tensor_parallel``) and joined to rank 0 by a process group (gloo on
+(``engines.embedded.tensor_parallel``) and joined to rank 0 by a process group (gloo on
 CPU, NCCL on GPU) for the all-reduces inside each forward. Rank 0 is the
 ``EmbeddedEngine`` actor itself; it drives the others:
 
@@ -28,11 +28,11 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engines import tensor_parallel as tpar
 from engines import weight_receiver as wr
 from engines.config import EngineConfig
-from engines.decode import ModelRunner
-from engines.weight_files import read_state_dict, verify_dir
+from engines.embedded import tensor_parallel as tpar
+from engines.embedded.decode import ModelRunner
+from engines.embedded.weight_files import read_state_dict, verify_dir
 from engines.weights import WeightLoadError, check_state_dict, load_into
 
 
@@ -131,7 +131,7 @@ class EngineRank:
 
     def apply_handle(self, handle: dict[str, Any]) -> int:
         """Copy this rank's slice of one transfer handle's buckets into the model."""
-        from engines import weight_cache
+        from engines.embedded import weight_cache
 
         return weight_cache.apply(self, self._model, handle, self._device, self.rank, self.tp)[1]
 

@@ -5,7 +5,7 @@ the admin token and the allowed weight roots (rules in ``engines.security``),
 and a uvicorn server on a thread (``serve_in_thread``) so one process, e.g.
 the engine's Ray actor, answers both Ray calls and HTTP. Shapes follow SGLang
 0.5.x's ``http_server.py``/``io_struct.py`` (see ``engines.types``); the
-generate translation is in ``engines.protocol``. Never loads a file outside
+generate translation is in ``engines.embedded.protocol``. Never loads a file outside
 the allowed roots and never returns a token.
 
 Status codes: 400 for a malformed body (bad JSON, unknown field, wrong type,
@@ -37,8 +37,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from engines import protocol
-from engines.http_base import BadRequest, HttpServerThread, ServerSettings, error_response, parse
+from engines.embedded import protocol
+from engines.embedded.http_base import (
+    BadRequest,
+    HttpServerThread,
+    ServerSettings,
+    error_response,
+    parse,
+)
 from engines.security import (
     AuthError,
     check_bearer,
@@ -65,7 +71,7 @@ from engines.types import (
 log = logging.getLogger(__name__)
 
 SERVER_VERSION = "prefect-rl-embedded (SGLang 0.5.x API)"
-__all__ = ["HttpServerThread", "ServerSettings", "build_app", "serve_in_thread", "serve_model"]
+__all__ = ["HttpServerThread", "ServerSettings", "build_app", "serve_forever", "serve_in_thread"]
 NO_TENSOR_OVER_HTTP = (
     "set an api_key to enable /update_weights_from_tensor over HTTP; runs push over Ray"
 )
@@ -366,23 +372,3 @@ def serve_forever(engine: Any, settings: ServerSettings) -> None:
         timeout_graceful_shutdown=10,
     )
     _AbortingServer(config, engine).run()
-
-
-def serve_model(
-    model_path: str,
-    host: str = "127.0.0.1",
-    port: int = 30000,
-    weight_version: str = "0",
-    api_key: str | None = None,
-    allowed_roots: tuple[str, ...] = (),
-    gpu: bool = False,
-) -> None:
-    """Load ``model_path`` into an in-process embedded engine and serve it (no Ray)."""
-    from engines.config import EngineConfig
-    from engines.embedded import EmbeddedEngine
-
-    require_token(host, api_key)  # fail before the model loads
-    cfg = EngineConfig(num_gpus_per_engine=1.0 if gpu else 0.0)
-    engine = EmbeddedEngine(model_path, 0, cfg, weight_version=int(weight_version))
-    roots = (*allowed_roots, model_path)
-    serve_forever(engine, ServerSettings(host, port, api_key, roots))

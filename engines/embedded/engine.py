@@ -4,19 +4,19 @@ Owns one model replica, its control surface (weights, versions, memory, info,
 health, the HTTP front door) and the checks a request must pass before it is
 queued (``RequestLimits``: token ids in the vocabulary, prompt +
 max_new_tokens within the context length, a seed in [0, 2**63-1]); the queue,
-the decode worker, pausing and deadlines are ``engines.batching``. Method
+the decode worker, pausing and deadlines are ``engines.embedded.batching``. Method
 names and result shapes follow SGLang's HTTP endpoints (``/generate``,
 ``/update_weights_from_disk``, ``/pause_generation`` ...), so callers cannot
 tell it from an SGLang server. It is a plain class; ``engines.group`` wraps it
 as a threaded Ray actor (see ``actor_class``). It never imports prefect and
 never reads anything but the local HF directory it is pointed at (verified
-against its manifest.json, ``engines.weight_files``).
+against its manifest.json, ``engines.embedded.weight_files``).
 
 Threads: ``generate`` calls (up to ``GENERATE_CONCURRENCY`` at once) check
 their rows, enqueue them and wait. One decode worker thread drains the queue
 into batches of up to ``max_batch_size`` rows of one call each (a row's numbers
 never depend on another call's); a failing request fails alone
-(``engines.batching``).
+(``engines.embedded.batching``).
 Control methods run in their own concurrency group, so pause, continue and
 reload are served while every generate thread is busy.
 
@@ -53,31 +53,27 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
-from engines import tensor_parallel as tpar
-from engines.batching import Batcher, EngineDeadError
+from engines.actor_options import CONTROL_CONCURRENCY, CONTROL_GROUP, GENERATE_CONCURRENCY
 from engines.config import EngineConfig
-from engines.decode import Row, decode
-from engines.engine_ranks import EngineRanks, engine_device, load_model, wait_all
-from engines.memory_updates import InMemoryUpdates
-from engines.sampling import make_generator
+from engines.embedded import tensor_parallel as tpar
+from engines.embedded.batching import Batcher, EngineDeadError
+from engines.embedded.decode import Row, decode
+from engines.embedded.engine_ranks import EngineRanks, engine_device, load_model, wait_all
+from engines.embedded.memory_updates import InMemoryUpdates
+from engines.embedded.sampling import make_generator
+from engines.embedded.weight_files import read_state_dict
 from engines.types import GenerateResult, RequestLimits, SamplingParams, UpdateWeightsResult
-from engines.weight_files import read_state_dict
 from engines.weights import WeightLoadError, WeightPathError, check_state_dict, load_into
 
 log = logging.getLogger(__name__)
 
-CONTROL_GROUP = "control"
-GENERATE_CONCURRENCY = 8
-CONTROL_CONCURRENCY = 4
 __all__ = ["EmbeddedEngine", "EngineDeadError", "actor_class"]
 
 
 @functools.cache
 def actor_class() -> Any:
-    """EmbeddedEngine as a Ray actor class: threaded generate + a control group.
-    Concurrency groups can only be set in ``ray.remote``, not ``.options``; callers
-    add placement, name and lifetime with ``.options``. Built once: Ray exports each
-    class object once, at ~30 ms of CPU (it disassembles the class)."""
+    """EmbeddedEngine as a Ray actor class (``engines.actor_options``). Built once: Ray
+    exports each class object once, at ~30 ms of CPU (it disassembles the class)."""
     return ray.remote(
         max_concurrency=GENERATE_CONCURRENCY,
         concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY},
@@ -117,7 +113,7 @@ class EmbeddedEngine(Batcher, InMemoryUpdates):
         self._eos = self._eos_ids()
         self.limits = self._limits()
         self._released = False
-        self._http = None  # engines.http_server.HttpServerThread once start_http ran
+        self._http = None  # engines.embedded.http_server.HttpServerThread once start_http ran
         self._start_batching()
 
     def _eos_ids(self) -> frozenset[int]:
@@ -183,7 +179,7 @@ class EmbeddedEngine(Batcher, InMemoryUpdates):
         ``sampling_seed``, so its tokens do not depend on the other requests
         it is batched with. ``output_token_logprobs`` holds the logprob of
         each sampled token under the temperature-scaled distribution (see
-        ``engines.sampling.sample_row``); it is always returned, and
+        ``engines.embedded.sampling.sample_row``); it is always returned, and
         ``return_logprob`` is accepted for API compatibility. ``rid`` names
         each request for ``abort_request``. A row that breaks the model's
         limits (``self.limits``) is a ValueError for this call alone;
@@ -374,7 +370,7 @@ class EmbeddedEngine(Batcher, InMemoryUpdates):
         engine started from); the bearer token defaults to the environment
         variable named by ``engines.api_key_env``.
         """
-        from engines.http_server import ServerSettings, serve_in_thread
+        from engines.embedded.http_server import ServerSettings, serve_in_thread
 
         if self._http is None:
             roots = [*(allowed_roots or []), *self._cfg.allowed_weight_roots, self._start_path]

@@ -13,7 +13,7 @@ generation first (the reload step pauses in place), so no forward sees a
 half-updated model. The weight version changes only with the call that
 carries ``weight_version`` (the last bucket), never before its tensors are in.
 
-An engine spanning several ranks (``engines.engine_ranks``) applies each
+An engine spanning several ranks (``engines.embedded.engine_ranks``) applies each
 bucket on every rank, each taking its tensor-parallel slice: rank j opens
 ``serialized_named_tensors[j]`` (SGLang's rule), and for broadcasts every
 rank joins the trainer's group as ``rank_offset + j`` and receives.
@@ -28,10 +28,10 @@ from typing import Any
 import ray
 import torch
 
-from engines import tensor_parallel as tpar
-from engines import weight_cache
 from engines import weight_receiver as wr
-from engines.engine_ranks import wait_all
+from engines.embedded import tensor_parallel as tpar
+from engines.embedded import weight_cache
+from engines.embedded.engine_ranks import wait_all
 from engines.types import UpdateWeightsResult
 from engines.update_socket import UpdateSocket
 from engines.weights import WeightLoadError

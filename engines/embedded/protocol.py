@@ -5,7 +5,7 @@ batch call: single vs batch prompts, ``text`` vs ``input_ids``, parallel
 sampling (``n``), per-prompt ``return_logprob`` and ``rid``, and SGLang's stop
 semantics (``stop_token_ids`` add to eos; ``ignore_eos`` drops both). All rows
 of one request go to the engine as one call, so they are batched together.
-Never touches HTTP; ``engines.http_server`` turns its ValueErrors into 400s.
+Never touches HTTP; ``engines.embedded.http_server`` turns its ValueErrors into 400s.
 
 Reply order with ``n > 1`` is prompt-major: the n samples of prompt 0, then
 prompt 1, ... A given ``sampling_seed`` seeds sample j with ``seed + j`` (so

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from engines.decode import RETRACT, ModelRunner, Retract, Row, decode
-from engines.engine_ranks import TPRunner
+from engines.embedded.decode import RETRACT, ModelRunner, Retract, Row, decode
+from engines.embedded.engine_ranks import TPRunner
 from engines.types import GenerateResult, PauseMode, SamplingParams
 
 log = logging.getLogger(__name__)
