@@ -94,9 +94,25 @@ class RunContext:
             call_timeout_s=self.cfg.tasks.timeout_s,
         )
 
+    def tokenizer(self):  # -> transformers.PreTrainedTokenizerBase
+        """The base model's tokenizer, loaded once per process (rollout and evaluation
+        tokenize with it; a run's versions never change it)."""
+        return _tokenizer(self.base_model_path)
+
     def __getstate__(self) -> dict:
         # cached_property values (the store's filesystem) are rebuilt after unpickling.
         return {k: v for k, v in self.__dict__.items() if k != "store"}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+
+
+_TOKENIZERS: dict[str, object] = {}  # model path -> tokenizer, per process
+
+
+def _tokenizer(path: str):
+    if path not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+
+        _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
+    return _TOKENIZERS[path]

@@ -39,10 +39,8 @@ def _evaluate(ctx, k: int, engine_id: int | None) -> dict[str, Any]:
         transport.revive(ctx, group, i, v)
         colocate.for_rollout(ctx)  # a push (in-memory transports) woke the trainer
 
-    from tasks.steps import _tokenizer  # tasks.steps lists this step: imported at call time
-
     cfg = ctx.cfg
-    tokenizer = _tokenizer(ctx.base_model_path)
+    tokenizer = ctx.tokenizer()
     with rollout_io(ctx, group, k, restart, persist=False) as io:  # multi-turn: HTTP turns
         return evaluate(
             cfg.eval, cfg.rollout, cfg.run.seed, k, v, tokenizer, group.generate_groups, restart, io

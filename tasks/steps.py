@@ -58,15 +58,6 @@ log = logging.getLogger("prefect_rl.steps")
 Result = dict[str, Any]
 
 
-def _tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    cache = _tokenizer.__dict__.setdefault("cache", {})
-    if path not in cache:
-        cache[path] = AutoTokenizer.from_pretrained(path)
-    return cache[path]
-
-
 # -- rollout -------------------------------------------------------------------
 def _rollout_saved(ctx, k: int) -> Result | None:
     saved = ctx.store.read_rollouts(k)
@@ -108,7 +99,7 @@ def _generate(ctx, k: int, engine_id: int | None) -> Result:
             cfg.run.seed,
             k,
             v,
-            _tokenizer(ctx.base_model_path),
+            ctx.tokenizer(),
             group.generate_groups,
             restart,
             io=io,
