@@ -62,12 +62,30 @@ def _api_key_env(data: dict[str, Any]) -> Any:
     return remote.get("api_key_env") if isinstance(remote, dict) else None
 
 
+# What an SGLang server runs: its command, the folders its imports come from, and
+# flags that load code (--custom-weight-loader ...).
+SGLANG_CODE_KEYS = ("launch_command", "pythonpath", "extra_args")
+
+
+def _sglang_value(data: dict[str, Any], key: str) -> Any:
+    engines = data.get("engines")
+    sglang = engines.get("sglang") if isinstance(engines, dict) else None
+    return sglang.get(key) if isinstance(sglang, dict) else None
+
+
 def _check_code_unchanged(from_file: dict[str, Any], data: dict[str, Any]) -> None:
     """Overrides (``--set``, a deployment's ``overrides``) may not choose code to
     run: whoever can start a deployment can set them, while the config file is
     the operator's. So they cannot widen the trusted modules, nor name a reward
     outside the builtins that the file does not already name, nor choose which
-    environment variable's secret is sent to the reward server."""
+    environment variable's secret is sent to the reward server, nor what an SGLang
+    server runs (``SGLANG_CODE_KEYS``)."""
+    for key in SGLANG_CODE_KEYS:
+        if _sglang_value(data, key) != _sglang_value(from_file, key):
+            raise ConfigError(
+                f"overrides cannot change engines.sglang.{key}: what the SGLang server runs "
+                "(its command, import folders and flags) is chosen in the config file; put it there"
+            )
     if _api_key_env(data) != _api_key_env(from_file):
         raise ConfigError(
             "overrides cannot change rollout.remote_reward.api_key_env: which secret of the "

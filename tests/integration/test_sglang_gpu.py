@@ -9,6 +9,7 @@ servers as they can. The model is the Qwen2.5-0.5B shape (random init, bf16).
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -64,24 +65,32 @@ def llama(tmp_path_factory) -> str:
     return str(out)
 
 
-def overrides(tmp_path, name: str, **more) -> dict:
-    return {
+def sglang_config(tmp_path, name: str, colocate: bool = False, **more):
+    """The run config: what the server runs (its folder, flags) in a config file, as
+    overrides may not choose it (``flows.config.SGLANG_CODE_KEYS``); the rest as overrides."""
+    args = [*TEST_ARGS, "--enable-memory-saver"] if colocate else TEST_ARGS
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(
+        json.dumps(
+            {"engines": {"kind": "sglang", "sglang": {"pythonpath": [SITE], "extra_args": args}}}
+        )
+    )
+    sets = {
         "run.name": name,
         "run.iterations": 2,
         "storage.root": str(tmp_path / "runs"),
         "model.dtype": "bfloat16",
-        "engines.kind": "sglang",
         "engines.num_gpus_per_engine": 0.5,
-        "engines.sglang.pythonpath": [SITE],
-        "engines.sglang.extra_args": TEST_ARGS,
         "engines.sglang.mem_fraction_static": 0.3,
         "engines.sglang.log_dir": str(tmp_path / "sglang-logs"),
         "train.num_gpus_per_worker": 0.5,
         "rollout.batch_size": 8,
         "rollout.n_samples_per_prompt": 4,
         "rollout.max_new_tokens": 8,
+        **({"placement.colocate": True} if colocate else {}),
         **more,
     }
+    return load_config(path, sets)
 
 
 def _greedy(engine) -> list[int]:
@@ -93,7 +102,7 @@ def test_tensor_push_lands_bit_exact_and_is_timed(ray_cluster, tmp_path, llama):
     holds the trainer's exact values and generates exactly what it did at the start."""
     from tests.engines.conftest import write_variant
 
-    cfg = load_config(None, {**overrides(tmp_path, "sgl-push"), "model.path": llama})
+    cfg = sglang_config(tmp_path, "sgl-push", **{"model.path": llama})
     ctx = prepare_run(cfg)
     trainer, group = ctx.trainer(), ctx.engines()
     try:
@@ -147,13 +156,8 @@ def test_tensor_push_lands_bit_exact_and_is_timed(ray_cluster, tmp_path, llama):
 def test_distributed_on_one_gpu_is_refused_before_the_run(tmp_path, qwen):
     """NCCL refuses two ranks on one GPU: the config says so before any state exists."""
     with pytest.raises(ValueError, match="NCCL"):
-        load_config(
-            None,
-            {
-                **overrides(tmp_path, "sgl-dist"),
-                "model.path": qwen,
-                "weights.transport": "distributed",
-            },
+        sglang_config(
+            tmp_path, "sgl-dist", **{"model.path": qwen, "weights.transport": "distributed"}
         )
     assert not (tmp_path / "runs").exists()
 
@@ -165,13 +169,8 @@ def test_distributed_on_one_gpu_is_refused_before_the_run(tmp_path, qwen):
 )
 def test_sglang_run_commits_verifies_and_resumes(ray_cluster, tmp_path, qwen, transport, colocate):
     more = {"model.path": qwen, "weights.transport": transport}
-    if colocate:
-        more |= {
-            "placement.colocate": True,
-            "engines.sglang.extra_args": [*TEST_ARGS, "--enable-memory-saver"],
-        }
     name = f"sgl-{transport}-{'colo' if colocate else 'own'}"
-    cfg = load_config(None, overrides(tmp_path, name, **more))
+    cfg = sglang_config(tmp_path, name, colocate, **more)
     ctx, rows, _ = run_plain(cfg, quiet=True, keep_actors=True)
     store = ctx.store
     assert [r["iteration"] for r in rows] == [1, 2]
@@ -185,7 +184,7 @@ def test_sglang_run_commits_verifies_and_resumes(ray_cluster, tmp_path, qwen, tr
         assert memory == {"train": ["awake"], "engines": {"0": "asleep"}}
     # A killed engine: the next iteration restarts it and serves the right version.
     kill_engine(ctx.engines(), 0)
-    cfg3 = load_config(None, overrides(tmp_path, name, **more, **{"run.iterations": 3}))
+    cfg3 = sglang_config(tmp_path, name, colocate, **more, **{"run.iterations": 3})
     ctx3, rows3, _ = run_plain(cfg3, quiet=True)
     assert [r["iteration"] for r in rows3] == [3]
     assert ctx3.store.read_record(3, "verify-e0")["result"]["served"] == "3"

