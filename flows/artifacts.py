@@ -26,20 +26,38 @@ class Reporter:
     """Creates artifacts on one background thread, in order, so that the API calls
     (~10-20 ms each) stay off the iteration's critical path. Each call runs in
     the caller's Prefect context (the flow run it belongs to); ``close`` waits for
-    all of them and raises the first failure."""
+    all of them and raises the first failure. Only calls not yet checked are
+    kept (two a submit would otherwise add up over a long run)."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="artifacts")
         self._futures: list[Future] = []
+        self._failure: BaseException | None = None
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._settle(done_only=True)
         ctx = contextvars.copy_context()
         self._futures.append(self._pool.submit(ctx.run, fn, *args))
 
+    def pending(self) -> int:
+        """Calls kept: those submitted and not yet found finished."""
+        return len(self._futures)
+
+    def _settle(self, done_only: bool) -> None:
+        """Forget finished calls, keeping the first failure for ``close``."""
+        kept = []
+        for f in self._futures:
+            if done_only and not f.done():
+                kept.append(f)
+            elif self._failure is None and f.exception() is not None:
+                self._failure = f.exception()
+        self._futures = kept
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for f in self._futures:
-            f.result()
+        self._settle(done_only=False)
+        if self._failure is not None:
+            raise self._failure
 
     def __enter__(self) -> Reporter:
         return self
