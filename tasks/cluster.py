@@ -39,6 +39,13 @@ CONNECT_TIMEOUT_S = 5.0  # a live GCS answers a TCP connect at once
 LOCAL_SPARE_CPUS = 4
 # A probe is a file lookup, but a node may first have to start a Python worker for it.
 PROBE_TIMEOUT_S = 60.0
+# Task attempts whose events (state changes, profile) a local cluster's GCS keeps, the
+# oldest dropped first. Under Ray's default, 100,000, the GCS grew 48 MB per 1,000
+# iterations of tiny-cpu and was still growing at 700 (80 MB; bench/soak.py). The
+# newest 2,000 calls (at most the last ~150 iterations of tiny-cpu) stay visible to
+# `ray list tasks`. RAY_task_events_max_num_task_in_gcs exported by the user wins;
+# a cluster at ray.address is configured by its own `ray start`.
+LOCAL_TASK_EVENTS_CAP = 2_000
 
 
 def actor_cpus(cfg: RunConfig) -> float:
@@ -194,10 +201,19 @@ def start_local_ray(
             include_dashboard=False,
             log_to_driver=False,
             _node_ip_address="127.0.0.1",
+            _system_config=local_system_config(),
         )
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
     stop_log_monitor()
+
+
+def local_system_config() -> dict[str, int]:
+    """Ray settings of a local cluster: its GCS keeps a bounded task-event history
+    (``LOCAL_TASK_EVENTS_CAP``) unless the user exported Ray's own variable."""
+    if "RAY_task_events_max_num_task_in_gcs" in os.environ:
+        return {}
+    return {"task_events_max_num_task_in_gcs": LOCAL_TASK_EVENTS_CAP}
 
 
 def stop_log_monitor() -> None:
