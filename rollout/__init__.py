@@ -1,7 +1,8 @@
 """rollout: what the engines are asked and how their answers are scored.
 
-Owns the prompt datasets and synthetic tasks, the per-sample seeds, reward
-functions and the reward-server client (``rollout.remote_reward``), the rollout
+Owns the prompt datasets and synthetic tasks (arithmetic word problems for
+instruct models in ``rollout.arithmetic``), the per-sample seeds, reward
+functions (the ``math`` reward's answer extraction in ``rollout.math_answer``) and the reward-server client (``rollout.remote_reward``), the rollout
 procedure (``rollout.procedure``: prompts to a checked, scored
 ``RolloutBatch``), multi-turn episodes (``rollout.agent``, environments in
 ``rollout.environments``, the calculator tool in ``rollout.tools``), each

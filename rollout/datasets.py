@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from rollout.arithmetic import ARITHMETIC_TASKS
 from rollout.config import RolloutConfig
+from rollout.rewards import LABEL_CHECKS
 from rollout.types import Prompt
 
 DIGITS = "01234"  # a small alphabet keeps the tiny task learnable in minutes on CPU
@@ -51,6 +53,7 @@ BUILTIN_TASKS: dict[str, Callable[[int, int], Prompt]] = {
     "copy": _copy_task,
     "add": _add_task,
     "add2": _add2_task,
+    **ARITHMETIC_TASKS,  # add-2d, sub-1d, mul-3d, ...: questions in words for instruct models
 }
 
 
@@ -58,7 +61,18 @@ class DatasetError(ValueError):
     """A dataset the user must fix; the message names the file, line and fix."""
 
 
-def _prompt(row: object, where: str, input_key: str, label_key: str, index: int) -> Prompt:
+# Why a label cannot be scored by the run's reward (None: it can); rewards.LABEL_CHECKS.
+LabelCheck = Callable[[str], "str | None"]
+
+
+def _prompt(
+    row: object,
+    where: str,
+    input_key: str,
+    label_key: str,
+    index: int,
+    label_check: LabelCheck | None = None,
+) -> Prompt:
     """One dataset row as a Prompt; ``where`` ("file:line" or "file: row n") starts
     every error, so a bad row out of millions is found at once."""
     if not isinstance(row, dict):
@@ -76,6 +90,9 @@ def _prompt(row: object, where: str, input_key: str, label_key: str, index: int)
                 f"{'a string' if key == input_key else 'a string or a number'}"
             )
         values.append(str(value))
+    problem = label_check(values[1]) if label_check is not None else None
+    if problem is not None:
+        raise DatasetError(f"{where}: key {label_key!r}: {problem}")
     return Prompt(index=index, text=values[0], label=values[1])
 
 
@@ -97,7 +114,9 @@ def _lookup(row: dict, key: str, where: str, what: str) -> Any:
     return value
 
 
-def load_jsonl(path: str | Path, input_key: str, label_key: str) -> list[Prompt]:
+def load_jsonl(
+    path: str | Path, input_key: str, label_key: str, label_check: LabelCheck | None = None
+) -> list[Prompt]:
     """Prompts of a JSONL file: one JSON object per line, blank lines skipped."""
     p = Path(path)
     prompts: list[Prompt] = []
@@ -124,11 +143,14 @@ def load_jsonl(path: str | Path, input_key: str, label_key: str) -> list[Prompt]
                 f"{p}:{lineno}: nested too deeply to read; a row is one flat JSON object "
                 "with the prompt and label fields"
             ) from None
-        prompts.append(_prompt(row, f"{p}:{lineno}", input_key, label_key, len(prompts)))
+        where = f"{p}:{lineno}"
+        prompts.append(_prompt(row, where, input_key, label_key, len(prompts), label_check))
     return prompts
 
 
-def load_parquet(path: str | Path, input_key: str, label_key: str) -> list[Prompt]:
+def load_parquet(
+    path: str | Path, input_key: str, label_key: str, label_check: LabelCheck | None = None
+) -> list[Prompt]:
     """Prompts of a Parquet file, one per row (rows numbered from 1 in errors)."""
     try:
         import pyarrow.parquet as pq
@@ -151,10 +173,13 @@ def load_parquet(path: str | Path, input_key: str, label_key: str) -> list[Promp
             )
         columns.append(column)
     rows = table.select(sorted(set(columns))).to_pylist()
-    return [_prompt(r, f"{p}: row {i}", input_key, label_key, i - 1) for i, r in enumerate(rows, 1)]
+    return [
+        _prompt(r, f"{p}: row {i}", input_key, label_key, i - 1, label_check)
+        for i, r in enumerate(rows, 1)
+    ]
 
 
-LOADERS: dict[str, Callable[[str | Path, str, str], list[Prompt]]] = {
+LOADERS: dict[str, Callable[[str | Path, str, str, LabelCheck | None], list[Prompt]]] = {
     ".jsonl": load_jsonl,
     ".json": load_jsonl,
     ".parquet": load_parquet,
@@ -162,10 +187,15 @@ LOADERS: dict[str, Callable[[str | Path, str, str], list[Prompt]]] = {
 
 
 def load_prompts(
-    path: str | Path, input_key: str, label_key: str, key: str = "rollout.task"
+    path: str | Path,
+    input_key: str,
+    label_key: str,
+    key: str = "rollout.task",
+    label_check: LabelCheck | None = None,
 ) -> list[Prompt]:
     """Prompts of a dataset file, by its suffix (``LOADERS``); never empty. ``key``
-    is the setting that named the file, for the error when it is no dataset."""
+    is the setting that named the file, for the error when it is no dataset;
+    ``label_check`` refuses a label the run's reward cannot score (file and line)."""
     p = Path(path)
     if not p.is_file():
         raise DatasetError(
@@ -178,7 +208,7 @@ def load_prompts(
             f"{key}: {p}: unknown dataset format {p.suffix!r}; give a {' or '.join(LOADERS)} file"
         )
     try:
-        prompts = loader(p, input_key, label_key)
+        prompts = loader(p, input_key, label_key, label_check)
     except DatasetError as e:
         raise DatasetError(f"{key}: {e}") from None
     if not prompts:
@@ -210,7 +240,8 @@ class PromptSource:
         self.cfg, self.seed = cfg, seed
         self._rows: list[Prompt] | None = None
         if cfg.task not in BUILTIN_TASKS:
-            self._rows = load_prompts(cfg.task, cfg.input_key, cfg.label_key)
+            check = LABEL_CHECKS.get(cfg.reward)
+            self._rows = load_prompts(cfg.task, cfg.input_key, cfg.label_key, label_check=check)
 
     def batch(self, k: int) -> list[Prompt]:
         if k < 1:

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rollout.config import RolloutConfig
 from rollout.datasets import BUILTIN_TASKS, LOADERS, PromptSource, load_prompts
 from rollout.procedure import GenerateGroups, RolloutIO, generate_batch
+from rollout.rewards import LABEL_CHECKS
 from rollout.types import Prompt
 
 # Builtin tasks derive a prompt from its index: evaluation's start past the
@@ -89,7 +90,8 @@ def eval_prompts(cfg: EvalConfig, rollout: RolloutConfig, seed: int) -> list[Pro
         source = PromptSource(rollout.model_copy(update={"task": dataset}), seed)
         return source.prompts(range(EVAL_INDEX_BASE, EVAL_INDEX_BASE + cfg.size))
     key = "eval.dataset" if cfg.dataset else "rollout.task"
-    return load_prompts(dataset, rollout.input_key, rollout.label_key, key)[: cfg.size]
+    check = LABEL_CHECKS.get(rollout.reward)
+    return load_prompts(dataset, rollout.input_key, rollout.label_key, key, check)[: cfg.size]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -20,6 +20,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from rollout.math_answer import label_error, math_reward
 from rollout.remote_reward import is_url, post_rewards
 
 if TYPE_CHECKING:  # rollout.config imports this module to check rollout.reward
@@ -45,7 +46,14 @@ def exact_reward(response: str, label: str) -> float:
     return float(response.strip() == label.strip())
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"match": match_reward, "exact": exact_reward}
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "match": match_reward,
+    "exact": exact_reward,
+    "math": math_reward,  # the final answer as a number (rollout.math_answer)
+}
+# Builtin rewards that need labels of a given form: why a label cannot be scored,
+# checked on every dataset row before a run starts (tasks.prepare.check_datasets).
+LABEL_CHECKS: dict[str, Callable[[str], str | None]] = {"math": label_error}
 
 
 def is_trusted(module: str, trusted: Sequence[str]) -> bool:

@@ -158,6 +158,7 @@ def check_datasets(cfg: RunConfig) -> None:
     in rollout[k=1] would come after the lease, run.json and v0, and run.json
     would freeze the bad path. Raises ConfigError naming the key, file and line."""
     from rollout.datasets import BUILTIN_TASKS, DatasetError, load_prompts
+    from rollout.rewards import LABEL_CHECKS
 
     files = {"rollout.task": cfg.rollout.task}
     if cfg.eval.interval > 0 and cfg.eval.dataset is not None:
@@ -166,7 +167,9 @@ def check_datasets(cfg: RunConfig) -> None:
         if path in BUILTIN_TASKS:
             continue
         try:
-            load_prompts(path, cfg.rollout.input_key, cfg.rollout.label_key, key)
+            # The reward's own form of label (math: a number or '#### N'), row by row.
+            check = LABEL_CHECKS.get(cfg.rollout.reward)
+            load_prompts(path, cfg.rollout.input_key, cfg.rollout.label_key, key, check)
         except DatasetError as e:
             raise ConfigError(str(e)) from None
 
