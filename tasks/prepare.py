@@ -23,6 +23,7 @@ from tasks.config import ConfigError, RunConfig
 from tasks.context import RunContext
 
 __all__ = [
+    "check_chat_template",
     "check_datasets",
     "check_run",
     "connect_ray",
@@ -174,6 +175,27 @@ def check_datasets(cfg: RunConfig) -> None:
             raise ConfigError(str(e)) from None
 
 
+def check_chat_template(cfg: RunConfig, path: str) -> None:
+    """With rollout.chat_template, render a prompt through the base model's template
+    as rollout does: a tokenizer without one, or a template that does not render,
+    would otherwise fail rollout[k=1] after the lease and v0."""
+    if not cfg.rollout.chat_template:
+        return
+    from transformers import AutoTokenizer  # only here: seconds of import a plain run skips
+
+    from rollout.datasets import encode_prompt
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        encode_prompt(tokenizer, "What is 2 + 3?", chat_template=True)
+    except Exception as e:  # jinja's TemplateError, DatasetError, a tokenizer that won't load
+        raise ConfigError(
+            f"rollout.chat_template is on, but the chat template of {path} does not render "
+            f"({type(e).__name__}: {e}); fix its tokenizer's chat template, or set "
+            "rollout.chat_template: false"
+        ) from None
+
+
 def check_run(cfg: RunConfig, inputs: bool = True) -> str:
     """Everything that can be checked before any state is written: the storage
     root, the frozen settings of a continued run, the base model, every row of
@@ -192,6 +214,7 @@ def check_run(cfg: RunConfig, inputs: bool = True) -> str:
     check_frozen(RunContext(cfg=cfg, base_model_path=path))
     if inputs:
         check_datasets(cfg)
+        check_chat_template(cfg, path)
         # An enabled tracker without its package, a folder it cannot write, a silent server.
         tracking_config.check(cfg)
     if cfg.ray.address is not None:

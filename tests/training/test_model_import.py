@@ -143,3 +143,23 @@ def test_smollm2_import_is_the_measured_model():
     assert model.config.tie_word_embeddings and len(tok) == 49152
     assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [1, 2]
     assert tok.eos_token_id == 2 and model.generation_config.eos_token_id == 2
+
+
+def test_a_chat_template_that_does_not_render_is_refused_before_the_run(tiny, tmp_path):
+    from flows.config import ConfigError, load_config
+    from tasks.prepare import check_run
+
+    _, out = tiny
+    sets = {"storage.root": str(tmp_path / "runs"), "rollout.chat_template": True}
+    assert check_run(load_config("configs/tiny-cpu.yaml", {**sets, "model.path": str(out)}))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in out.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content ")
+    with pytest.raises(ConfigError, match="chat template of .*broken does not render"):
+        check_run(load_config("configs/tiny-cpu.yaml", {**sets, "model.path": str(broken)}))
+    # The tiny model's tokenizer has no template at all: refused the same way.
+    with pytest.raises(ConfigError, match="has no chat template"):
+        check_run(load_config("configs/tiny-cpu.yaml", sets))
+    assert not (tmp_path / "runs").exists()
