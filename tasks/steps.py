@@ -35,6 +35,7 @@ from tasks.types import (
     VerifyRecord,
 )
 from tasks.verify import check_serves, now, rollout_version
+from training.correction import MISMATCH_METRICS
 
 __all__ = [
     "EVALUATE",
@@ -254,8 +255,7 @@ def _finish(ctx, k: int, engine_id: None, results: dict[str, Result]) -> Result:
     row = {
         "iteration": k,
         "reward_mean": r["reward_mean"],
-        "loss": t.get("loss"),
-        "kl": t.get("kl"),
+        **{key: t.get(key) for key in ("loss", "kl", *MISMATCH_METRICS)},
         "gen_tokens_per_s": r.get("gen_tokens_per_s"),
         "train_tokens_per_s": t.get("tokens_per_s"),
         "publish_s": p.get("publish_s"),

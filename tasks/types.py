@@ -115,6 +115,11 @@ class IterationRow(StepResult):
     reward_mean: float
     loss: float | None
     kl: float | None
+    # The engines' logprobs against the trainer's (training.correction.MISMATCH_METRICS);
+    # None in rows of a trainer that does not report them.
+    rollout_logprob_abs_diff: float | None = None
+    rollout_logprob_kl: float | None = None
+    rollout_correction_frac: float | None = None
     gen_tokens_per_s: float | None
     train_tokens_per_s: float | None
     publish_s: float | None

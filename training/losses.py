@@ -4,8 +4,10 @@ Owns the loss maths only: pure functions over tensors. Never touches models,
 optimizers, storage, config or Ray (``training.algorithm`` maps the config onto
 these). Token tensors are [B, T] (``mask`` 1 on response tokens), ``advantages``
 is [B]: every loss here broadcasts one advantage per sequence, as GRPO does.
-What all of them leave out: no dual-clip, no off-policy correction between the
-engine's and the trainer's logprobs. ``value_loss`` is the critic's (PPO).
+What all of them leave out: no dual-clip. The correction between the engine's
+and the trainer's logprobs is ``training.correction``'s: its detached
+``is_weights`` [B, T] scale each token's policy-gradient term (None: no
+scaling, the same numbers as before). ``value_loss`` is the critic's (PPO).
 """
 
 from __future__ import annotations
@@ -55,9 +57,11 @@ def _token_clip_loss(
     kl_coef: float,
     entropy: torch.Tensor | None,
     entropy_coef: float,
+    is_weights: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Sum over masked tokens of the PPO-clip term (ratio clipped to
-    [1 - clip_low, 1 + clip_high]) divided by ``denom`` (default: masked tokens)."""
+    [1 - clip_low, 1 + clip_high]), times ``is_weights`` when given, divided by
+    ``denom`` (default: masked tokens)."""
     mask = mask.to(logprobs.dtype)
     count = mask.sum().clamp(min=1.0)
     denom_t = count if denom is None else torch.as_tensor(float(denom))
@@ -68,6 +72,8 @@ def _token_clip_loss(
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
     metrics = {
         "pg_loss": float((per_token.detach() * mask).sum() / count),
         "clip_frac": float(((clipped > unclipped).to(mask.dtype) * mask).sum() / count),
@@ -89,6 +95,7 @@ def grpo_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     num_tokens: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO (Shao et al. 2024, DeepSeekMath) PPO-clip loss with a symmetric ``clip_eps``.
 
@@ -105,7 +112,7 @@ def grpo_loss(
     """
     reg = (ref_logprobs, kl_coef, entropy, entropy_coef)
     return _token_clip_loss(
-        logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps, num_tokens, *reg
+        logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps, num_tokens, *reg, is_weights
     )
 
 
@@ -121,6 +128,7 @@ def dapo_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     num_tokens: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """DAPO (Yu et al. 2025) loss: decoupled clip ("clip-higher"), token-level mean.
 
@@ -133,7 +141,15 @@ def dapo_loss(
     """
     reg = (ref_logprobs, kl_coef, entropy, entropy_coef)
     return _token_clip_loss(
-        logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_high, num_tokens, *reg
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_eps_low,
+        clip_eps_high,
+        num_tokens,
+        *reg,
+        is_weights,
     )
 
 
@@ -149,6 +165,7 @@ def dr_grpo_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     num_sequences: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training") loss.
 
@@ -164,7 +181,7 @@ def dr_grpo_loss(
     denom = float(rows) * max_tokens
     reg = (ref_logprobs, kl_coef, entropy, entropy_coef)
     return _token_clip_loss(
-        logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps, denom, *reg
+        logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps, denom, *reg, is_weights
     )
 
 
@@ -190,6 +207,7 @@ def gspo_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     num_sequences: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization") loss.
 
@@ -217,6 +235,10 @@ def gspo_loss(
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     per_seq = torch.maximum(unclipped, clipped) * has_tokens
+    if is_weights is not None:
+        # A row's token mean: the sequence weight itself for the sequence-level
+        # corrections, the only ones LossConfig allows with gspo.
+        per_seq = per_seq * (is_weights.detach() * mask).sum(dim=1) / lengths.clamp(min=1.0)
     metrics = {
         "pg_loss": float((per_seq.detach() * lengths).sum() / count),
         "clip_frac": float(((clipped > unclipped).to(mask.dtype) * lengths).sum() / count),

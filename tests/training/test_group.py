@@ -84,6 +84,7 @@ def test_train_metrics_and_sharded_export(reference):
     assert m["kl"] == 0.0  # the reference is the base model, which step 1 starts from
     assert reference["metrics"][1]["kl"] > 0 and m["entropy"] > 0
     assert m["rollout_logprob_abs_diff"] > 0  # the synthetic engine logprobs are made up
+    assert m["rollout_logprob_kl"] > 0 and m["rollout_correction_frac"] == 0.0  # off by default
     summary = reference["summary3"]
     assert summary["shards"] > 1  # shard_size 64 KiB splits the tiny model
     assert "model.safetensors.index.json" in summary["files"]
