@@ -100,6 +100,7 @@ def test_launcher_stop_escalates_and_failed_launch_reports_log(tmp_path, tiny_di
     with pytest.raises(RuntimeError, match="exited with 3") as e:
         SGLangEngine(str(tiny_dir), 1, _cfg(tmp_path, "--exit-after-start"))
     assert "stand-in sglang server" in str(e.value)  # the log tail names the cause
+    assert f"command: {sys.executable} {STANDIN}" in str(e.value)  # and what was run
     assert os.path.exists(tmp_path / "engine-1.log")
 
 
@@ -142,5 +143,20 @@ def test_sglang_sleep_and_wake_are_idempotent(tmp_path, tiny_dir):
         assert eng.resume_memory_occupation()["changed"] is True
         assert eng.resume_memory_occupation()["changed"] is False
         assert eng.client.health_generate()  # the server lived through all of it
+    finally:
+        eng.stop()
+
+
+def test_an_endpoint_the_server_lacks_names_its_version(tmp_path, tiny_dir):
+    """An SGLang whose API differs (here: the stand-in has no /get_weights_by_name) is
+    named with its version and the API prefect-rl drives, not a bare 404."""
+    eng = SGLangEngine(str(tiny_dir), 0, _cfg(tmp_path))
+    try:
+        with pytest.raises(
+            RuntimeError,
+            match=r"SGLang .+ at http://.+ has no /get_weights_by_name.+drives SGLang 0.5",
+        ):
+            eng.get_weights_by_name("model.embed_tokens.weight")
+        assert eng.get_weight_version() == "0"  # and the engine goes on serving
     finally:
         eng.stop()
