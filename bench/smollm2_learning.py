@@ -1,0 +1,66 @@
+"""SmolLM2-135M-Instruct learning 2-digit addition: reward and held-out pass@1 per iteration.
+
+Runs ``configs/smollm2-cpu.yaml`` (or ``--config``) for ``--iterations`` with the
+plain driver in a fresh storage root, then prints one line per iteration (the
+batch's mean reward, the held-out greedy and sampled pass@1 where evaluated
+(``eval.interval``: the same held-out prompts each time), an example answer)
+and the CPU goal of issue 33 beside the figures it reads:
+
+    mean reward of the last 5 iterations > mean reward of the first 5
+
+There is no evaluation of v0 yet (the evaluate step runs after an iteration's
+training), so iteration 1's batch reward is the nearest figure of the base
+model. Needs the model imported once:
+
+    .venv/bin/prefect-rl import-model smollm2-135m-instruct
+    .venv/bin/python -m bench.smollm2_learning --iterations 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/smollm2-cpu.yaml")
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+
+    from flows.config import load_config, parse_override
+    from flows.driver import run_plain
+
+    root = tempfile.mkdtemp(prefix="bench-smollm2-")
+    overrides = dict(parse_override(s) for s in args.set)
+    overrides.update({"storage.root": root, "run.iterations": args.iterations})
+    cfg = load_config(args.config, overrides)
+    print(f"config {args.config}, {args.iterations} iterations, storage {root}")
+    t0 = time.perf_counter()
+    ctx, rows, seconds = run_plain(cfg, quiet=True)
+    print(f"{'k':>3} {'reward':>7} {'pass@1 greedy':>14} {'pass@1 sampled':>15}  example")
+    for r in rows:
+        greedy, sampled = r.get("eval_pass_at_1_greedy"), r.get("eval_pass_at_1")
+        print(
+            f"{r['iteration']:>3} {r['reward_mean']:>7.3f} "
+            f"{'' if greedy is None else f'{greedy:.3f}':>14} "
+            f"{'' if sampled is None else f'{sampled:.3f}':>15}  {(r.get('example') or '')[:40]!r}"
+        )
+    rewards = [r["reward_mean"] for r in rows]
+    n = min(5, len(rewards) // 2) or 1
+    first, last = statistics.mean(rewards[:n]), statistics.mean(rewards[-n:])
+    verdict = "met" if last > first else "NOT met"
+    print(f"reward: first {n} mean {first:.3f}, last {n} mean {last:.3f} ({verdict})")
+    print(f"wall {time.perf_counter() - t0:.0f} s ({seconds:.0f} s in iterations)")
+
+
+if __name__ == "__main__":
+    main()
