@@ -45,7 +45,7 @@ class RunContext:
         alike. What was deleted and kept, as the gc-versions flow logs it."""
         report = self.store.gc(keep_last).model_dump()
         if self.cfg.train.loss.advantage == "gae":
-            from training.critic import CriticStore
+            from training.critic_store import CriticStore
 
             critic = CriticStore(self.cfg.storage, self.run_name, fence=self.fence)
             report["critic"] = critic.gc(keep_last).model_dump()

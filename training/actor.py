@@ -200,7 +200,7 @@ class TrainActor(DurableState):
         return RolloutBatch.from_json(data)
 
     def _token_advantages(self, k: int) -> torch.Tensor | None:
-        from training.critic import policy_advantages  # training.critic imports this module
+        from training.critic_store import policy_advantages
 
         return policy_advantages(self.cfg.loss, self.storage_cfg, self.run_name, k)
 

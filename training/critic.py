@@ -2,7 +2,7 @@
 
 Owns the critic's rank (``CriticActor``: value model, AdamW, GAE over the
 persisted rollouts, the clipped value loss), where its state lives
-(``CriticStore``: ``critic/checkpoints/iter_k`` and
+(``training.critic_store``: ``critic/checkpoints/iter_k`` and
 ``critic/advantages/iter_k.safetensors`` under the run, fenced like the
 policy's) and its group (``CriticGroup``: actors ``{run}/critic/{rank}``,
 placement ``{run}/critic-pg``, the policy group's ``ensure_state``).
@@ -21,67 +21,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import safetensors.torch
 import torch
 
 from rollout.types import RolloutBatch
-from storage.config import StorageConfig
-from storage.fs import read_bytes, write_bytes
-from storage.layout import iter_name
-from storage.retention import gc
-from storage.run_store import RunStore
-from storage.types import GcReport
 from training import backend_torch as bt
 from training.actor import TrainActor, step_seed
 from training.advantages import gae_advantages, outcome_token_rewards, whiten
 from training.algorithm import shaped_rewards
 from training.batch import TrainBatch, build_train_batch, rank_micro_batches, rank_slice
-from training.config import LossConfig, TrainerSections
+from training.config import TrainerSections
+from training.critic_store import CriticStore
 from training.group import TrainGroup
 from training.losses import value_loss
-
-
-class CriticStore(RunStore):
-    """The run store with checkpoints under ``critic/``; rollouts and the lease
-    are the run's own, so reads and fence checks are the policy's."""
-
-    @property
-    def _ckpt_dir(self) -> str:
-        return self._p("critic", "checkpoints")
-
-    def _advantages_path(self, k: int) -> str:
-        return self._p("critic", "advantages", f"{iter_name(k)}.safetensors")
-
-    def write_advantages(self, k: int, advantages: torch.Tensor) -> bool:
-        """Persist rollout k's advantages [B, T-1] once; False if already there."""
-        self.check_fence()
-        blob = safetensors.torch.save({"advantages": advantages.contiguous().cpu()})
-        return write_bytes(self.fs, self._advantages_path(k), blob, exclusive=True)
-
-    def read_advantages(self, k: int) -> torch.Tensor | None:
-        blob = read_bytes(self.fs, self._advantages_path(k))
-        return None if blob is None else safetensors.torch.load(blob)["advantages"]
-
-    def gc(self, keep_last: int) -> GcReport:
-        """The policy's retention over the critic's checkpoints: the last ``keep_last``
-        committed ones stay (the critic publishes no versions, so none are served)."""
-        return gc(self.fs, self._p("critic"), keep_last, {}, guard=self.check_fence)
-
-
-def policy_advantages(
-    loss: LossConfig, storage: StorageConfig, run_name: str, k: int
-) -> torch.Tensor | None:
-    """What the policy's train(k) uses as token advantages: for advantage gae (PPO)
-    the ones the critic wrote for rollouts k, else None (its own estimator)."""
-    if loss.advantage != "gae":
-        return None
-    adv = CriticStore(storage, run_name).read_advantages(k)
-    if adv is None:
-        raise FileNotFoundError(
-            f"train.loss.advantage gae: no critic advantages for iteration {k} in run "
-            f"{run_name!r}; run the critic's train({k}) (CriticGroup) before the policy's"
-        )
-    return adv
 
 
 class CriticActor(TrainActor):

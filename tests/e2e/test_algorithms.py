@@ -29,7 +29,7 @@ from rollout.types import RolloutBatch
 from storage.run_store import RunStore
 from tasks.faults import InjectedFault
 from tests.e2e.fault_matrix import assert_records_complete, final_weights, overrides
-from training.critic import CriticStore
+from training.critic_store import CriticStore
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,8 @@ from training.config import (
     TrainerSections,
     WeightsConfig,
 )
-from training.critic import CriticGroup, CriticStore
+from training.critic import CriticGroup
+from training.critic_store import CriticStore
 from training.group import TrainGroup
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from flows.config import load_config
 from tasks import maintenance
 from tasks.context import RunContext
-from training.critic import CriticStore
+from training.critic_store import CriticStore
 
 
 def _checkpoint(store, k: int) -> None:
