@@ -141,7 +141,7 @@ def test_overrides_cannot_choose_which_secret_the_reward_server_gets(tmp_path):
 
 def test_a_reward_typo_is_explained(tmp_path):
     with pytest.raises(
-        ConfigError, match=r"rollout.reward 'mtach' is not a builtin \(match, exact\)"
+        ConfigError, match=r"rollout.reward 'mtach' is not a builtin \(match, exact, math\)"
     ):
         load_config(None, ["rollout.reward=mtach"])
 
