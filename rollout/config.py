@@ -6,13 +6,27 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout.dynamic_sampling import DynamicSamplingConfig
 from rollout.environments import BUILTIN_ENVIRONMENTS
 from rollout.failures import FailureConfig
 from rollout.remote_reward import RemoteRewardConfig, check_url, is_url
 from rollout.rewards import load_reward
 
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+class DynamicSamplingConfig(BaseModel):
+    """``rollout.dynamic_sampling``: drop groups of equal rewards, generate more."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Drop groups whose rewards are all equal (DAPO)")
+    max_rounds: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Generation rounds per batch, the first included; a batch still short "
+        "after them is filled with dropped groups",
+    )
 
 
 class RolloutConfig(BaseModel):

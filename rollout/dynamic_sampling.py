@@ -4,7 +4,7 @@ spends a batch slot on no gradient. Such groups are dropped and more prompts
 are generated, round after round, until the batch holds ``rollout.batch_size``
 groups or ``rollout.dynamic_sampling.max_rounds`` rounds ran.
 
-Owns the setting (``DynamicSamplingConfig``), which prompts a later round asks
+Owns (its setting is ``rollout.config.DynamicSamplingConfig``) which prompts a later round asks
 (``extra_prompts``: a function of (seed, k, round), disjoint from every
 iteration's regular prompts, so a retried rollout regenerates the same batch)
 and the filling itself (``fill``). The rollout procedure calls ``fill`` once,
@@ -25,32 +25,14 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
+from rollout.types import Generated, Prompt, RolloutBatch, Sample, SamplingRecord
 
-from rollout.types import Prompt, RolloutBatch, Sample, SamplingRecord
-
-if TYPE_CHECKING:  # rollout.config imports this module for the setting
+if TYPE_CHECKING:
     from rollout.config import RolloutConfig
-    from rollout.procedure import Generated
 
 # Later rounds ask prompts from index 2**40 on: builtin tasks and dataset
 # epochs derive a prompt from its index, and regular batches never get there.
 EXTRA_INDEX_BASE = 1 << 40
-
-
-class DynamicSamplingConfig(BaseModel):
-    """``rollout.dynamic_sampling``: drop groups of equal rewards, generate more."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = Field(False, description="Drop groups whose rewards are all equal (DAPO)")
-    max_rounds: int = Field(
-        4,
-        ge=1,
-        le=64,
-        description="Generation rounds per batch, the first included; a batch still short "
-        "after them is filled with dropped groups",
-    )
 
 
 def extra_prompts(source, k: int, round_: int, count: int, batch_size: int) -> list[Prompt]:

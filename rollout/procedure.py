@@ -26,7 +26,7 @@ from rollout.datasets import PromptSource, encode_prompt
 from rollout.failures import FailureLog, VersionMismatch
 from rollout.rewards import Scorer
 from rollout.seeding import sample_seed
-from rollout.types import Prompt, RolloutBatch, Sample
+from rollout.types import Generated, Prompt, RolloutBatch, Sample
 
 __all__ = ["Generated", "RolloutIO", "VersionMismatch", "generate_batch", "summary"]
 
@@ -51,12 +51,6 @@ class RolloutIO:
     turns: TurnEngines | None = None  # multi-turn (rollout.environment): the engines' /generate
     score: Scorer | None = None  # scores a batch (default: rollout.rewards.score, in process)
     failures: FailureLog | None = None  # multi-turn: the step's failure log (default: in memory)
-
-
-@dataclass(frozen=True)
-class Generated:
-    batch: RolloutBatch  # the scored samples, ready to persist
-    gen_s: float  # wall seconds the engines spent generating
 
 
 def sampling_params(cfg: RolloutConfig) -> dict[str, Any]:

@@ -130,3 +130,11 @@ class RolloutBatch:
     @property
     def rewards(self) -> list[float]:
         return [s.reward for s in self.samples]
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One generation round of the rollout procedure (``rollout.procedure``)."""
+
+    batch: RolloutBatch  # the scored samples, ready to persist
+    gen_s: float  # wall seconds the engines spent generating
