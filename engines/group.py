@@ -1,9 +1,7 @@
 """The engine group: naming, placement, restart and dispatch of rollout engines.
 
 Owns the driver-side view of a run's engines. It holds only names and config
-(it is picklable and can be passed between Prefect tasks); the engines
-themselves are detached, named Ray actors that any process on the cluster
-finds again by name:
+(picklable); the engines are detached, named Ray actors found again by name:
 
 - engine ``i`` is the actor ``{run_name}/engine/{i}`` in ``namespace``, placed
   on bundle 0 of its own placement group ``{run_name}/engine-pg/{i}`` (one
@@ -14,19 +12,15 @@ finds again by name:
   and load the version it is told to serve; ``engines.node_resource`` pins the
   groups to the engine hosts (``engines.placement``).
 
-``generate_groups`` gives each engine a fixed share of the prompt groups (the
-n samples of one prompt always go to one engine) as one call, so what an
-engine decodes together is decided by the request, never by timing. If an
-engine dies mid-rollout (its actor, or only its decode loop:
-``EngineDeadError``), it is restarted and its share is regenerated whole, so a
-group never mixes versions.
+``generate_groups`` (and ``generate_rows``) give each engine a fixed share of the
+groups as one call, so what an engine decodes together is decided by the request,
+never by timing; a dead engine's share is regenerated whole after its restart.
 
-It never decides which version should be served: the caller (the reload and
-verify tasks) does; a restart defaults to the version a live peer reports.
+It never decides which version should be served: the caller (reload, verify)
+does; a restart defaults to the version a live peer reports.
 
-Every wait on an engine ends by ``call_timeout_s`` (the step's deadline, given
-by the group's owner): a paused or stuck engine fails the call with a
-``CallTimeout`` naming the engine and the call (``engines.deadline``).
+Every wait on an engine ends by ``call_timeout_s`` (the step's deadline): a
+stuck engine fails the call with a ``CallTimeout`` naming it (``engines.deadline``).
 """
 
 from __future__ import annotations
@@ -336,38 +330,46 @@ class EngineGroup:
         restart_fn: RestartFn | None = None,
         max_restarts: int = 2,
     ) -> list[list[GenerateResult]]:
-        """Generate ``n`` samples per prompt; results in prompt order.
-
-        ``seeds[g][j]`` is the sampling_seed of sample j of prompt g. Prompt g
-        goes to the engine at position ``g % engines`` (in index order), and each
-        engine gets its whole share as one call: an engine decodes one call's
-        rows together and never with another call's, so every number in the
-        result is a function of the request and the weights, not of timing (a
-        retried or resumed rollout is byte-identical on CPU). A dead engine is
-        restarted (``restart_fn(i)``, default: the version a live peer serves) at
-        most ``max_restarts`` times, and its share is sent again whole, so no
-        group mixes versions. The whole call ends by ``call_timeout_s``:
-        CallTimeout names the engines whose answers are missing.
-        """
+        """``n`` samples per prompt, in prompt order; ``seeds[g][j]``: sample j of
+        prompt g's sampling_seed. Dispatch and restarts: ``generate_rows``."""
         if len(seeds) != len(prompts) or any(len(s) != n for s in seeds):
             raise ValueError("seeds must hold n seeds for each prompt")
+        rows = [[p] * n for p in prompts]
+        params = [[dict(sampling, sampling_seed=int(s)) for s in row] for row in seeds]
+        return self.generate_rows(rows, params, restart_fn, max_restarts)
+
+    def generate_rows(
+        self,
+        rows: list[list[list[int]]],
+        params: list[list[dict[str, Any]]],
+        restart_fn: RestartFn | None = None,
+        max_restarts: int = 2,
+    ) -> list[list[GenerateResult]]:
+        """Generate each of group g's rows ``rows[g]`` with its ``params[g]`` entry
+        (a partial rollout's continuation: a sample's prompt and its tokens so far).
+        Group g goes to engine ``g % engines`` (index order) in that engine's one
+        call, never decoded with another call's rows: the result is a function of
+        the request and the weights, not of timing. A dead engine is restarted
+        (``restart_fn(i)``) at most ``max_restarts`` times and its share sent again
+        whole, so no group mixes versions; CallTimeout after ``call_timeout_s``."""
+        if len(params) != len(rows) or any(len(p) != len(r) for p, r in zip(params, rows)):
+            raise ValueError("params must hold one dict for each row")
         restart = restart_fn or self._default_restart
         engines = self.handles()
         if not engines:
             raise RuntimeError(f"no engines of run {self.run_name!r} exist: call start() first")
         order = sorted(engines)
-        shares = {i: list(range(pos, len(prompts), len(order))) for pos, i in enumerate(order)}
+        shares = {i: list(range(pos, len(rows), len(order))) for pos, i in enumerate(order)}
         restarts = {i: 0 for i in order}
-        results: list[list[GenerateResult] | None] = [None] * len(prompts)
+        results: list[list[GenerateResult]] = [[] for _ in rows]
         clock = deadline.Deadline(self.call_timeout_s)
 
         def send(i: int) -> ray.ObjectRef:
             share = shares[i]
-            rows = [prompts[g] for g in share for _ in range(n)]
-            params = [dict(sampling, sampling_seed=int(s)) for g in share for s in seeds[g]]
-            return engines[i].generate.remote(rows, params)
+            flat = [row for g in share for row in rows[g]]
+            return engines[i].generate.remote(flat, [p for g in share for p in params[g]])
 
-        inflight = {send(i): i for i in order if shares[i]}
+        inflight = {send(i): i for i in order if any(rows[g] for g in shares[i])}
         while inflight:
             done, _ = ray.wait(list(inflight), num_returns=1, timeout=clock.remaining())
             if not done:  # the deadline passed with every call still waiting
@@ -384,9 +386,11 @@ class EngineGroup:
                 engines[i] = self._require(i)
                 inflight[send(i)] = i  # the whole share again, on the restarted engine
                 continue
-            for slot, g in enumerate(shares[i]):
-                results[g] = out[slot * n : (slot + 1) * n]
-        return results  # type: ignore[return-value]
+            start = 0  # the share's rows, back into their groups
+            for g in shares[i]:
+                results[g] = out[start : start + len(rows[g])]
+                start += len(rows[g])
+        return results
 
     def _require(self, i: int) -> ActorHandle:
         h = self.handle(i)
