@@ -8,9 +8,10 @@ and the CPU goal of issue 33 beside the figures it reads:
 
     mean reward of the last 5 iterations > mean reward of the first 5
 
-There is no evaluation of v0 yet (the evaluate step runs after an iteration's
-training), so iteration 1's batch reward is the nearest figure of the base
-model. Needs the model imported once:
+After the run the base model (v0) is evaluated on the same engines and held-out
+prompts by the same evaluate step (ledger record ``iter_0/evaluate``), and the
+GPU goal of issue 33 is read beside it: the last held-out greedy pass@1 at
+least 2x the base model's. Needs the model imported once:
 
     .venv/bin/prefect-rl import-model smollm2-135m-instruct
     .venv/bin/python -m bench.smollm2_learning --iterations 20
@@ -45,7 +46,8 @@ def main() -> None:
     cfg = load_config(args.config, overrides)
     print(f"config {args.config}, {args.iterations} iterations, storage {root}")
     t0 = time.perf_counter()
-    ctx, rows, seconds = run_plain(cfg, quiet=True)
+    ctx, rows, seconds = run_plain(cfg, quiet=True, keep_actors=True)
+    base = base_evaluation(ctx)
     print(f"{'k':>3} {'reward':>7} {'pass@1 greedy':>14} {'pass@1 sampled':>15}  example")
     for r in rows:
         greedy, sampled = r.get("eval_pass_at_1_greedy"), r.get("eval_pass_at_1")
@@ -59,7 +61,33 @@ def main() -> None:
     first, last = statistics.mean(rewards[:n]), statistics.mean(rewards[-n:])
     verdict = "met" if last > first else "NOT met"
     print(f"reward: first {n} mean {first:.3f}, last {n} mean {last:.3f} ({verdict})")
+    greedy = [
+        r["eval_pass_at_1_greedy"] for r in rows if r.get("eval_pass_at_1_greedy") is not None
+    ]
+    if base is not None and greedy:
+        b, e = base["pass_at_1_greedy"], greedy[-1]
+        ratio = e / b if b else (float("inf") if e else 0.0)
+        print(
+            f"held-out greedy pass@1: base model (v0) {b:.3f}, last evaluation {e:.3f} "
+            f"({ratio:.2f}x; goal >= 2x: {'met' if ratio >= 2 else 'NOT met'}); "
+            f"base sampled pass@1 {base['pass_at_1']:.3f}"
+        )
     print(f"wall {time.perf_counter() - t0:.0f} s ({seconds:.0f} s in iterations)")
+
+
+def base_evaluation(ctx) -> dict | None:
+    """The evaluate step for v0 on the run's engines (the engines reload the base
+    model first); None when the config evaluates nothing."""
+    from tasks import runner
+    from tasks.evaluation import EVALUATE
+
+    if ctx.cfg.eval.interval <= 0:
+        return None
+    try:
+        return runner.run(ctx, EVALUATE, 0)
+    finally:
+        ctx.trainer().shutdown()
+        ctx.engines().shutdown()
 
 
 if __name__ == "__main__":

@@ -65,6 +65,12 @@ def _sglang_server(tiny_dir):
         engine.stop()
 
 
+@pytest.fixture
+def kind(request, server) -> str:
+    """Which server the module runs against: ``embedded`` or ``sglang``."""
+    return request.node.callspec.params["server"]
+
+
 @pytest.fixture(scope="module")
 def client(server):
     with EngineClient(server, timeout_s=60, retries=0) as c:
@@ -97,7 +103,7 @@ def _wait_running(client) -> None:
         time.sleep(0.01)
 
 
-def test_generate_single_and_batch_shapes(client):
+def test_generate_single_and_batch_shapes(client, kind):
     r = client.generate(
         input_ids=PROMPT,
         sampling_params={"max_new_tokens": 6, "temperature": 0},
@@ -127,6 +133,8 @@ def test_generate_single_and_batch_shapes(client):
     )
     assert len(out) == 4 and [o["meta_info"]["prompt_tokens"] for o in out] == [6, 6, 2, 2]
     assert all(o["meta_info"]["finish_reason"] == {"type": "length", "length": 5} for o in out)
+    if kind == "sglang":
+        return  # SGLang honours sampling_seed only with --enable-deterministic-inference
     again = client.generate(
         input_ids=PROMPT,
         sampling_params={"max_new_tokens": 5, "n": 2, "sampling_seed": 7, "ignore_eos": True},
@@ -138,20 +146,15 @@ def test_generate_single_and_batch_shapes(client):
 def test_generate_text_stop_and_zero_tokens(client):
     r = client.generate(text="ab", sampling_params={"max_new_tokens": 40, "ignore_eos": True})
     assert r["meta_info"]["prompt_tokens"] >= 2 and isinstance(r["text"], str)
-    stop = r["text"][3:5]  # a stop string that this seed's completion reaches
-    assert stop, "the completion is long enough to hold a stop string"
-    if stop:
-        seed = {"sampling_seed": 11}
-        full = client.generate(
-            text="ab", sampling_params={"max_new_tokens": 40, "ignore_eos": True, **seed}
-        )
-        stop = full["text"][3:5]
-        cut = client.generate(
-            text="ab",
-            sampling_params={"max_new_tokens": 40, "ignore_eos": True, "stop": [stop], **seed},
-        )
-        assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-        assert stop not in cut["text"] and full["text"].startswith(cut["text"])
+    # Greedy, so the second call reaches the same text: SGLang's sampling_seed does not
+    # make two sampled requests equal with every sampling backend.
+    greedy = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0.0}
+    full = client.generate(text="ab", sampling_params=greedy)
+    stop = full["text"][3:5]
+    assert len(stop) == 2, "the completion is long enough to hold a stop string"
+    cut = client.generate(text="ab", sampling_params={**greedy, "stop": [stop]})
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in cut["text"] and full["text"].startswith(cut["text"])
     zero = client.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 0})
     assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"]["type"] == "length"
 
@@ -233,23 +236,27 @@ def test_pause_abort_returns_inflight_and_holds_new(client, pool):
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_update_while_paused_in_place_continues_on_new_weights(
-    client, pool, tiny_dir, tiny_v1, mode
+    client, pool, tiny_dir, tiny_v1, mode, kind
 ):
     fut = _long(pool, client, seed=3)
     _wait_running(client)
     client.pause_generation(mode)
     res = client.update_weights_from_disk(str(tiny_v1), weight_version="1", flush_cache=False)
-    assert res["success"] and res["num_paused_requests"] == ROWS
+    assert res["success"]
+    if kind == "embedded":  # SGLang 0.5.17 answers 0 here always (its weight_updater)
+        assert res["num_paused_requests"] == ROWS
     time.sleep(0.2)
     assert not fut.done()  # parked, not aborted
     client.continue_generation()
     for r in fut.result(timeout=60):
         meta = r["meta_info"]
         assert meta["finish_reason"]["type"] == "length"
-        assert (meta["weight_version"], meta["weight_version_end"]) == (
-            "0",
-            "1",
-        )  # mixed, and says so
+        # The version that finished the request: SGLang's meta_info has only that one
+        # (its weight_version is read when the reply is built); the embedded engine
+        # also says which version began it.
+        assert meta.get("weight_version_end", meta["weight_version"]) == "1"
+        if kind == "embedded":
+            assert meta["weight_version"] == "0"  # mixed, and says so
     assert client.update_weights_from_disk(str(tiny_dir), weight_version="0")["success"]
 
 
@@ -287,8 +294,10 @@ def test_abort_request_by_rid_and_all(client, pool):
 
 
 def test_memory_release_and_resume(client):
+    # Resume names what was released: SGLang 0.5.17's scheduler dies (KeyError) on
+    # resuming a tag it never released, and None means every tag there.
     assert client.release_memory_occupation(["weights", "kv_cache"])["success"]
-    assert client.resume_memory_occupation(None)["success"]
+    assert client.resume_memory_occupation(["weights", "kv_cache"])["success"]
     with pytest.raises(EngineHTTPError) as e:
         client.release_memory_occupation(["gpu"])
     assert e.value.status == 400

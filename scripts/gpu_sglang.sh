@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Real SGLang on the CUDA machine: the `gpu and sglang` tests and the SGLang benches.
+#
+# The machine has torch, transformers and pytest but not Ray, Prefect or SGLang:
+# `setup` unpacks the device bundle (.devbundle/, ../shared/device/README.md) and
+# `sglang` SGLang's own site folder (.sglbundle/, ../shared/device/sglang/); both stay
+# under /tmp while the machine is held, so the stages can run as separate calls:
+#
+#   bash scripts/gpu_sglang.sh setup     # .devbundle: Ray, Prefect, torch_memory_saver
+#   bash scripts/gpu_sglang.sh sglang    # .sglbundle: SGLang 0.5.17 in /tmp/sgl
+#   bash scripts/gpu_sglang.sh bench     # push beside the seed's, pipeline with SGLang
+#   bash scripts/gpu_sglang.sh test      # pytest -m "gpu and sglang"
+#   bash scripts/gpu_sglang.sh smollm2   # SmolLM2 learning on SGLang (GGUF in .gguf*/)
+#
+# Results go to $OUT (or bench/results when OUT is unset).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results}
+SITE=${PREFECT_RL_SGLANG_SITE:-/tmp/sgl}
+export PYTHONPATH=/tmp/devsite:$PWD PREFECT_RL_SGLANG_SITE=$SITE
+export RAY_AUTH_MODE=disabled PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
+
+# A copy of a shipped config whose server runs from $SITE (the config file alone may
+# choose what the server runs: flows.config.SGLANG_CODE_KEYS).
+with_site() {
+    python3 - "$1" "$2" "$SITE" <<'EOF'
+import sys, yaml
+src, dst, site = sys.argv[1:]
+cfg = yaml.safe_load(open(src))
+cfg["engines"].setdefault("sglang", {})["pythonpath"] = [site]
+yaml.safe_dump(cfg, open(dst, "w"))
+EOF
+}
+
+case "${1:-}" in
+setup)
+    tar -xJf .devbundle/site.tar.xz -C /tmp
+    python3 -m pip install -q --no-index --no-deps --target /tmp/devsite .devbundle/torch_memory_saver-*.whl
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    python3 -c "import torch, transformers, ray, prefect; print('torch', torch.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__, 'prefect', prefect.__version__)"
+    python3 -m flows.cli tiny-model --shape qwen2-0.5b ~/.cache/prefect-rl/qwen2-0.5b >/dev/null
+    ;;
+sglang)
+    mkdir -p "$SITE" && tar -xJf .sglbundle/site.tar.xz -C "$SITE"
+    PYTHONPATH=$SITE python3 -c "import sglang; print('sglang', sglang.__version__)"
+    ;;
+bench)
+    python3 -m bench.sglang_push --sglang "$SITE" --out "$OUT/sglang_push_cuda.json" 2>&1 |
+        grep -v "server_args\|Writing model\|Loading weights"
+    with_site configs/gpu-0.5b-sglang.yaml /tmp/gpu-0.5b-sglang.yaml
+    python3 -m bench.pipeline --config /tmp/gpu-0.5b-sglang.yaml --iterations 8 \
+        --staleness 0 1 --set run.save_interval=5 --out "$OUT/pipeline_sglang_cuda.json" 2>&1 |
+        grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tail -30
+    grep -h "SGLang ready in" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | tail -4
+    ;;
+test)
+    python3 -m pytest -m "gpu and sglang" -p no:cacheprovider -rA --basetemp=/tmp/pt \
+        tests/integration/test_sglang_gpu.py tests/engines/test_http_contract.py 2>&1 |
+        grep -v "server_args\|Writing model\|Loading weights" | tail -80
+    rc=${PIPESTATUS[0]}
+    for f in $(find /tmp/pt -name "*.log" 2>/dev/null); do
+        if grep -q "Traceback\|Error" "$f"; then
+            echo "== $f"
+            grep -v server_args "$f" | grep -B2 -A12 "Traceback" | tail -40
+        fi
+    done
+    exit "$rc"
+    ;;
+smollm2)
+    mkdir -p ~/.cache/prefect-rl/downloads
+    cat /tmp/gguf/part-* >~/.cache/prefect-rl/downloads/SmolLM2-135M-Instruct.Q4_1.gguf
+    python3 -m pip install -q --no-index --no-deps --target /tmp/devsite /tmp/gguf/gguf-*.whl
+    python3 -m flows.cli import-model smollm2-135m-instruct || exit 1
+    with_site configs/smollm2-gpu.yaml /tmp/smollm2-gpu.yaml
+    python3 -m bench.smollm2_learning --config /tmp/smollm2-gpu.yaml \
+        --iterations "${ITERATIONS:-60}" 2>&1 |
+        grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tee "$OUT/smollm2_gpu.txt" | tail -80
+    ;;
+*)
+    echo "usage: $0 setup|sglang|bench|test|smollm2" >&2
+    exit 2
+    ;;
+esac
