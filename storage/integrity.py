@@ -51,6 +51,12 @@ def verify_dir(dir: str) -> WeightsManifest | None:
         m = parse_manifest(data, mpath, folder_version)
     except ManifestError as e:
         raise ManifestError(f"{e}; {_fix(folder_version)}") from e
+    if m.delta is not None:
+        raise IntegrityError(
+            f"{dir} holds version {m.version} as a delta of v{m.delta.base} (XOR files, not "
+            "weights); load it through a pull (RunStore.pull rebuilds and verifies it) or "
+            "materialize it (prefect-rl materialize)"
+        )
     for entry in m.files:
         _inside(root, dir, entry.name, m.version)
     with ThreadPoolExecutor(max(1, min(_VERIFY_THREADS, len(m.files)))) as pool:
@@ -122,6 +128,10 @@ def version_status(
         if got != f.bytes:
             what = "is missing" if got is None else f"has {got} bytes, manifest says {f.bytes}"
             return "damaged", f"{f.name!r} of {vdir} {what}"
+    if m.delta is not None:  # unreadable without its base (retention keeps it)
+        base = join(weights_dir, version_name(m.delta.base), MANIFEST)
+        if not fs.exists(base):
+            return "damaged", f"{vdir} is a delta of v{m.delta.base}, whose {base} is missing"
     return "committed", ""
 
 

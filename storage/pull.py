@@ -19,6 +19,12 @@ republish only hashes, and gc unlinks (the cache keeps its link). The one writer
 of cache files is this module, and it unlinks a file before every attempt, so it
 can never write through a link into a committed version. Trade-off: the cache
 is then the same bytes on disk as the version, not a second copy of them.
+
+A delta version (``storage.delta``) is pulled as its base first (into the same
+cache, verified, reused by every delta of it), then its stored files, then
+rebuilt in the staging folder (``storage.rebuild``: every full file checked
+against the sha256 recorded at publish); the folder that appears is a full HF
+folder whose manifest lists the full files, so loaders never see a delta.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import posixpath
 import shutil
 import time
 import uuid
@@ -36,11 +43,12 @@ from contextlib import contextmanager
 import fsspec
 
 from storage.errors import IntegrityError, ManifestError, StorageError
-from storage.fs import dumps, is_local, join
+from storage.fs import dumps, is_local, join, read_bytes
 from storage.hashio import READ_CHUNK, LocalHashingWriter, hash_file
 from storage.integrity import verify_dir
 from storage.layout import MANIFEST, TMP_PREFIX, version_name
 from storage.manifests import parse_manifest
+from storage.rebuild import check_base, rebuild_dir
 from storage.types import FileEntry, Pulled, WeightsManifest
 
 log = logging.getLogger("storage")
@@ -66,14 +74,48 @@ def pull_version(
     with ``~``: it is expanded here, on the machine that pulls."""
     t0 = time.perf_counter()
     cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
-    dest = os.path.join(cache_dir, version_name(manifest.version))
     os.makedirs(cache_dir, exist_ok=True)
     with _locked(cache_dir):
-        copied = not _reusable(dest, manifest, verify_cached)
-        if copied:
-            _pull_into(fs, version_dir, manifest, cache_dir, dest, workers, retries)
-    size = sum(f.bytes for f in manifest.files)
-    return Pulled(path=dest, copied=copied, bytes=size, seconds=time.perf_counter() - t0)
+        copied = _ensure(fs, version_dir, manifest, cache_dir, workers, retries, verify_cached)
+    return Pulled(
+        path=os.path.join(cache_dir, version_name(manifest.version)),
+        copied=copied,
+        bytes=manifest.rebuilt().total_bytes(),
+        seconds=time.perf_counter() - t0,
+        base=manifest.delta.base if manifest.delta is not None else None,
+    )
+
+
+def _ensure(
+    fs: fsspec.AbstractFileSystem,
+    version_dir: str,
+    manifest: WeightsManifest,
+    cache_dir: str,
+    workers: int,
+    retries: int,
+    verify_cached: bool,
+) -> bool:
+    """Make ``cache_dir/v000012`` the version's full files (a delta: its base first,
+    then rebuilt from it); False when a complete copy was already there."""
+    dest = os.path.join(cache_dir, version_name(manifest.version))
+    if _reusable(dest, manifest.rebuilt(), verify_cached):
+        return False
+    base: tuple[str, WeightsManifest] | None = None
+    if manifest.delta is not None:
+        base_dir = posixpath.join(
+            posixpath.dirname(version_dir.rstrip("/")), version_name(manifest.delta.base)
+        )
+        base_m = check_base(manifest, _read_base(fs, base_dir, manifest.delta.base))
+        _ensure(fs, base_dir, base_m, cache_dir, workers, retries, verify_cached)
+        base = (os.path.join(cache_dir, version_name(base_m.version)), base_m)
+    _pull_into(fs, version_dir, manifest, cache_dir, dest, workers, retries, base)
+    return True
+
+
+def _read_base(fs: fsspec.AbstractFileSystem, base_dir: str, base: int) -> WeightsManifest | None:
+    path = join(base_dir, MANIFEST)
+    data = read_bytes(fs, path)
+    return None if data is None else parse_manifest(data, path, base)
 
 
 @contextmanager
@@ -109,6 +151,7 @@ def _pull_into(
     dest: str,
     workers: int,
     retries: int,
+    base: tuple[str, WeightsManifest] | None = None,
 ) -> None:
     stage = os.path.join(
         cache_dir, f"{TMP_PREFIX}{version_name(manifest.version)}-{uuid.uuid4().hex}"
@@ -129,9 +172,12 @@ def _pull_into(
             ]
             for fut in futs:
                 fut.result()
+        if base is not None:  # a delta: its stored files are verified; rebuild and verify
+            rebuild_dir(stage, manifest, *base)
         # The manifest goes in last, so a folder with a manifest is a complete folder.
+        # A rebuilt delta's lists its full files: loaders verify the folder against it.
         with open(os.path.join(stage, MANIFEST), "wb") as out:
-            out.write(dumps(manifest.model_dump(mode="json")))
+            out.write(dumps(manifest.rebuilt().dump()))
         if os.path.exists(dest):
             shutil.rmtree(dest)  # an incomplete/stale copy of this very version
         # No fsync: this is a cache. After a crash a copy is reused only if its manifest

@@ -2,7 +2,8 @@
 
 Owns deletion. Rules: keep the last ``keep_last`` committed versions and
 checkpoints; never delete a version an engine serves (engines/*.json) or one
-a kept checkpoint points to (meta ``weights_version``). v0 gets no special
+a kept checkpoint points to (meta ``weights_version``), nor the base of a delta version
+that is kept (``storage.delta``: one link, so no chain to follow). v0 gets no special
 treatment. A commit marker is deleted FIRST, so a reader sees the version
 either whole or absent, never torn. Local staging that no live writer holds
 (``storage.staging``) goes too. Only the lease holder should call this.
@@ -20,7 +21,7 @@ from storage.errors import ManifestError, StorageError
 from storage.fs import is_local, join, ls_all, parse_iter_dirs, rm_file, rm_tree
 from storage.layout import COMMIT, MANIFEST, iter_name, parse_version, version_name
 from storage.types import GcReport
-from storage.weights import STAGING_PREFIX, committed_versions
+from storage.weights import STAGING_PREFIX, committed_versions, read_manifest
 
 
 def gc(
@@ -54,6 +55,10 @@ def gc(
         if isinstance(wv, int) and wv not in keep_v and wv in versions:
             protected.setdefault(wv, f"referenced by kept checkpoint {k}")
     keep_v |= set(protected)
+    for v, base in _delta_bases(fs, wdir, sorted(keep_v)).items():
+        if base not in keep_v and base in versions:
+            protected.setdefault(base, f"base of kept delta version {v}")
+    keep_v |= set(protected)
 
     deleted_v = [v for v in versions if v not in keep_v]
     for v in deleted_v:
@@ -79,6 +84,20 @@ def gc(
         protected=protected,
         removed_debris=debris,
     )
+
+
+def _delta_bases(fs: fsspec.AbstractFileSystem, wdir: str, versions: list[int]) -> dict[int, int]:
+    """delta version -> its base, of ``versions``. A manifest that no longer reads is
+    left out: that version is damaged, and deleting its base loses nothing more."""
+    out = {}
+    for v in versions:
+        try:
+            m = read_manifest(fs, wdir, v)
+        except ManifestError:
+            continue
+        if m.delta is not None:
+            out[v] = m.delta.base
+    return out
 
 
 def discard_version(

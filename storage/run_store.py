@@ -30,11 +30,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 from typing import Any, Literal
 
 import fsspec
 
 from storage import checkpoints as _ckpt
+from storage import delta as _delta
 from storage import integrity as _integrity
 from storage import lease as _lease
 from storage import ledger as _ledger
@@ -52,6 +55,11 @@ log = logging.getLogger("storage")
 
 CheckpointWriter = _ckpt.CheckpointWriter
 WeightsWriter = _weights.WeightsWriter
+DeltaWriter = _delta.DeltaWriter
+
+# The engines' default cache root (tasks.engines.cache_dir); a publisher pulls an
+# object-store base there, so a node that also runs engines keeps one copy of it.
+_DEFAULT_CACHE = "~/.cache/prefect-rl"
 
 # Env vars whose values must never be persisted (checked on run.json writes).
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
@@ -148,8 +156,20 @@ class RunStore:
         return join(self._ckpt_dir, iter_name(k))
 
     # -- weights -----------------------------------------------------------------
-    def weights_writer(self, version: int, iteration: int, parent: int | None) -> WeightsWriter:
-        return _weights.WeightsWriter(
+    def weights_writer(
+        self,
+        version: int,
+        iteration: int,
+        parent: int | None,
+        full_every: int | None = None,
+        base_cache_dir: str | None = None,
+    ) -> WeightsWriter | DeltaWriter:
+        """A writer of ``weights/v{version}``. With ``full_every`` (``weights.delta: on``)
+        a ``DeltaWriter`` against the newest full version fewer than ``full_every``
+        versions back when there is one (``storage.delta.choose_base``), else a full
+        writer. An object-store base is pulled (verified, once) into ``base_cache_dir``
+        (default: the engines' default cache, ``~/.cache/prefect-rl/{run}/weights``)."""
+        writer = _weights.WeightsWriter(
             self.fs,
             self._weights_dir,
             self.run_name,
@@ -158,6 +178,20 @@ class RunStore:
             parent,
             guard=self.check_fence,
         )
+        if full_every is None:
+            return writer
+        try:
+            base = _delta.choose_base(self.fs, self._weights_dir, version, full_every)
+            if base is None:
+                return writer
+            base_dir = self.local_version_dir(base.version)
+            if base_dir is None:
+                cache = base_cache_dir or os.path.join(_DEFAULT_CACHE, self.run_name, "weights")
+                base_dir = self.pull(base.version, cache).path
+            return _delta.DeltaWriter(writer, base, base_dir)
+        except BaseException:
+            writer.abort()  # its staging folder is held; nothing was written yet
+            raise
 
     def committed_versions(self) -> list[int]:
         return _weights.committed_versions(self.fs, self._weights_dir)
@@ -207,7 +241,36 @@ class RunStore:
         return join(self._weights_dir, version_name(version))
 
     def local_version_dir(self, version: int) -> str | None:
-        return self.version_url(version) if is_local(self.fs) else None
+        """The folder engines may load ``version`` from as is: the version folder on a
+        local root, unless the version is a delta (its folder holds XOR files: ``pull``
+        rebuilds it); None when it must be pulled."""
+        if not is_local(self.fs):
+            return None
+        try:
+            delta = self.read_manifest(version).delta
+        except StorageError:
+            delta = None  # not loadable at all: the loader's verify_dir names why
+        return None if delta is not None else self.version_url(version)
+
+    def materialize(self, version: int, dest: str) -> str:
+        """Write ``version`` as a full HF folder at ``dest`` (a new local folder): the
+        verified pull (a delta rebuilt from its base) into a private cache beside it,
+        then renamed into place. Returns ``dest``."""
+        dest = os.path.abspath(os.path.expanduser(dest))
+        if os.path.exists(dest):
+            raise StorageError(f"{dest} exists; materialize writes a new folder, pick another")
+        cache = tempfile.mkdtemp(prefix=".tmp-materialize-", dir=os.path.dirname(dest) or ".")
+        try:
+            pulled = self.pull(version, cache).path
+            for name in os.listdir(pulled):  # a local pull hard-links committed files:
+                path = os.path.join(pulled, name)  # the user's folder gets its own bytes
+                if os.path.isfile(path) and os.stat(path).st_nlink > 1:
+                    shutil.copyfile(path, path + ".copy")
+                    os.replace(path + ".copy", path)
+            os.rename(pulled, dest)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+        return dest
 
     def pull(
         self,
@@ -294,4 +357,4 @@ class RunStore:
         )
 
 
-__all__ = ["RunStore", "CheckpointWriter", "WeightsWriter"]
+__all__ = ["RunStore", "CheckpointWriter", "DeltaWriter", "WeightsWriter"]

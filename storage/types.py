@@ -6,6 +6,7 @@ their validation; must not do I/O.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Literal
 
@@ -42,6 +43,27 @@ def _check_entries(files: tuple[FileEntry, ...], reserved: tuple[str, ...]) -> N
         seen.add(f.name)
 
 
+class DeltaOf(BaseModel):
+    """What makes a version a delta (``storage.delta``): the full version its stored
+    files are XORed against, and the full files a reader must rebuild."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base: int = Field(ge=0)  # a full version (never itself a delta) of the same run
+    base_digest: str  # WeightsManifest.digest() of the base: a republished base is refused
+    codec: Literal["xor-zstd"] = (
+        "xor-zstd"  # frames of zstd(new XOR base image); storage.delta_format
+    )
+    full: tuple[
+        FileEntry, ...
+    ]  # the rebuilt version's files: name, bytes, sha256 of the FULL bytes
+
+    @model_validator(mode="after")
+    def _names(self) -> DeltaOf:
+        _check_entries(self.full, (MANIFEST,))
+        return self
+
+
 class WeightsManifest(BaseModel):
     """``weights/v000012/manifest.json``. Written last: its presence is the commit."""
 
@@ -54,11 +76,28 @@ class WeightsManifest(BaseModel):
     created_at: float  # unix seconds when the manifest was written
     format: Literal["hf-safetensors"] = "hf-safetensors"  # HF folder of safetensors shards
     files: tuple[FileEntry, ...]  # every file of the version except manifest.json
+    # Set: the version is a delta; ``files`` are what is stored, ``delta.full`` what it rebuilds to.
+    delta: DeltaOf | None = None
 
     @model_validator(mode="after")
     def _names(self) -> WeightsManifest:
         _check_entries(self.files, (MANIFEST,))
+        if self.delta is not None and self.delta.base >= self.version:
+            raise ValueError(
+                f"delta base v{self.delta.base} is not older than version {self.version}"
+            )
         return self
+
+    def dump(self) -> dict:
+        """The JSON form written to manifest.json; a full version's has no ``delta`` key
+        (so its bytes are what they were before deltas existed)."""
+        return self.model_dump(mode="json", exclude=None if self.delta else {"delta"})
+
+    def rebuilt(self) -> WeightsManifest:
+        """The manifest of the full folder a reader builds: ``delta.full`` as its files."""
+        if self.delta is None:
+            return self
+        return self.model_copy(update={"files": self.delta.full, "delta": None})
 
     def file_set(self) -> set[tuple[str, int, str]]:
         """(name, bytes, sha256) of every file; equal sets = identical content."""
@@ -66,6 +105,12 @@ class WeightsManifest(BaseModel):
 
     def total_bytes(self) -> int:
         return sum(f.bytes for f in self.files)
+
+    def digest(self) -> str:
+        """sha256 over the sorted (name, bytes, sha256) of ``files``: one string that
+        changes whenever any stored byte does."""
+        lines = sorted(f"{f.name}\t{f.bytes}\t{f.sha256}\n" for f in self.files)
+        return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
 class CheckpointCommit(BaseModel):
@@ -123,5 +168,6 @@ class Pulled(BaseModel):
 
     path: str  # cache_dir/v000012, verified
     copied: bool  # False: a complete copy was already there (another engine of this node pulled it)
-    bytes: int  # bytes the version's files hold
+    bytes: int  # bytes the version's files hold (a delta: once rebuilt)
     seconds: float  # wall time of the call, waiting for a concurrent pull of it included
+    base: int | None = None  # a delta version: the full version it was rebuilt from

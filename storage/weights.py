@@ -42,7 +42,7 @@ from storage.hashio import (
 from storage.integrity import verify_dir
 from storage.layout import MANIFEST, TMP_PREFIX, check_file_name, version_name
 from storage.manifests import committed_versions, parse_manifest, read_manifest
-from storage.types import FileEntry, WeightsManifest
+from storage.types import DeltaOf, FileEntry, WeightsManifest
 
 log = logging.getLogger("storage")
 
@@ -184,8 +184,14 @@ class WeightsWriter:
                 dst.write(view[:n])
         return self._done[name]
 
-    def commit(self) -> WeightsManifest:
-        """Write manifest.json last (the commit) and return it."""
+    def written(self) -> dict[str, FileEntry]:
+        """The files closed so far: name -> entry (what the manifest will list)."""
+        with self._lock:
+            return dict(self._done)
+
+    def commit(self, delta: DeltaOf | None = None) -> WeightsManifest:
+        """Write manifest.json last (the commit) and return it; ``delta`` makes the
+        version a delta of ``delta.base`` (``storage.delta.DeltaWriter`` passes it)."""
         with self._lock:
             if self._failed:
                 raise StorageError(
@@ -211,11 +217,12 @@ class WeightsWriter:
                 parent=self.parent,
                 created_at=time.time(),
                 files=tuple(sorted(self._done.values(), key=lambda f: f.name)),
+                delta=delta,
             )
             if self._local:
                 return self._commit_local(m)
             self._guard()
-            write_bytes(self.fs, join(self._final, MANIFEST), dumps(m.model_dump(mode="json")))
+            write_bytes(self.fs, join(self._final, MANIFEST), dumps(m.dump()))
             return m
         except BaseException:
             self._cleanup()
@@ -227,7 +234,7 @@ class WeightsWriter:
     def _commit_local(self, m: WeightsManifest) -> WeightsManifest:
         for f in self._fsyncs:
             f.result()
-        _write_fsynced(join(self._stage, MANIFEST), dumps(m.model_dump(mode="json")))
+        _write_fsynced(join(self._stage, MANIFEST), dumps(m.dump()))
         fsync_dir(self._stage)
         if os.path.isdir(self._final):
             try:

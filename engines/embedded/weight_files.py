@@ -90,6 +90,11 @@ class _Dir:
                 self.manifest = parse_manifest(data, where)
             except ManifestError as e:
                 raise WeightIntegrityError(f"{e}; {FIX}") from None
+            if self.manifest.delta is not None:  # XOR files: only a pull rebuilds weights
+                raise WeightIntegrityError(
+                    f"{where} is a delta of v{self.manifest.delta.base}; load the version "
+                    "through a pull into the engines' cache, which rebuilds and verifies it"
+                )
             self.entries = {f.name: f for f in self.manifest.files}
 
     def open(self, name: str) -> tuple[Any, int]:

@@ -1,0 +1,251 @@
+"""Publishing a weight version as a delta of an earlier full version.
+
+``DeltaWriter`` has the surface of ``WeightsWriter`` (``open``, ``add_file``,
+``commit``, ``abort``) and wraps one: a file the base also holds is streamed
+through an XOR against the base's bytes (``storage.delta_format``) into
+``<name>.xor.zst``; a file equal to the base's is not stored at all; any other
+file is stored whole. The manifest names the base, its digest, and every rebuilt
+file's full size and sha256 (hashed from the new bytes as they stream in), so a
+reader verifies what it rebuilds, never what it was told.
+
+The base is a full version (never a delta: chains stay one link long), chosen by
+``choose_base``: the newest committed full version fewer than ``full_every``
+versions back; else the version is written full. The base's bytes come from a
+local folder: the committed folder on a local root, or a verified pull into a
+cache on an object store (once per base, reused by every delta against it).
+Each base file is hashed against the base's manifest before its first use in
+this process, so a changed base fails the publish instead of writing a delta
+nobody can rebuild.
+
+The commit rule is ``WeightsWriter``'s: files first, the manifest last; an
+exception anywhere abandons the whole writer. Must not import torch.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import fsspec
+
+from storage.delta_format import (
+    DELTA_SUFFIX,
+    FRAME,
+    RAW,
+    TENSORS,
+    BaseImage,
+    FrameWriter,
+    header_size,
+    parse_layout,
+    read_layout,
+    xor,
+)
+from storage.errors import IntegrityError, ManifestError, StorageError
+from storage.hashio import HashingWriter, hash_file
+from storage.layout import version_name
+from storage.manifests import committed_versions, read_manifest
+from storage.types import DeltaOf, FileEntry, WeightsManifest
+from storage.weights import WeightsWriter
+
+
+def choose_base(
+    fs: fsspec.AbstractFileSystem, weights_dir: str, version: int, full_every: int
+) -> WeightsManifest | None:
+    """The manifest of the full version ``version`` is a delta of, or None when it
+    must be full: no committed full version within the last ``full_every - 1``."""
+    if full_every <= 1:
+        return None
+    for v in reversed(committed_versions(fs, weights_dir)):
+        if v >= version:
+            continue
+        if version - v >= full_every:
+            return None
+        try:
+            m = read_manifest(fs, weights_dir, v)
+        except ManifestError:
+            continue
+        if m.delta is None:
+            return m
+    return None
+
+
+# (path, inode, size, mtime_ns) -> sha256 of base files this process has hashed:
+# committed files are immutable, so one read per base file per process is enough.
+_VERIFIED: dict[tuple[str, int, int, int], str] = {}
+_VERIFIED_LOCK = threading.Lock()
+
+
+def verify_base_file(path: str, entry: FileEntry, base: int, version: int) -> None:
+    """IntegrityError unless the local base file matches ``entry`` (hashed once per
+    process while its inode, size and mtime stay the same)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise IntegrityError(
+            f"base {version_name(base)} of {version_name(version)}: {entry.name!r} is missing "
+            f"from {os.path.dirname(path)}; pull the base again or publish the version full"
+        ) from None
+    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    with _VERIFIED_LOCK:
+        sha = _VERIFIED.get(key)
+    if sha is None:
+        n, sha = hash_file(path)
+        if n != entry.bytes or sha != entry.sha256:
+            raise IntegrityError(
+                f"base {version_name(base)} of {version_name(version)}: {entry.name!r} in "
+                f"{os.path.dirname(path)} has {n} bytes sha256 {sha[:12]}..., its manifest says "
+                f"{entry.bytes} bytes sha256 {entry.sha256[:12]}...; re-pull or republish the base"
+            )
+        with _VERIFIED_LOCK:
+            _VERIFIED[key] = sha
+    elif sha != entry.sha256:
+        raise IntegrityError(
+            f"base {version_name(base)} of {version_name(version)}: {entry.name!r} in "
+            f"{os.path.dirname(path)} is not the file its manifest lists; re-pull the base"
+        )
+
+
+class _XorFile(HashingWriter):
+    """A file of the new version, written as frames of (new XOR base image) into
+    ``inner``; its own sha256 and size are those of the full new bytes."""
+
+    def __init__(self, name: str, base_path: str, inner: HashingWriter, on_close: Any):
+        super().__init__(name, on_close)
+        self._base_path, self._inner = base_path, inner
+        self._pending = bytearray()  # new bytes not yet in a frame, from offset self._off
+        self._off = 0
+        self._target = FRAME  # bytes of the next frame (the first one holds the whole header)
+        self._image: BaseImage | None = None
+        self._frames: FrameWriter | None = None
+
+    def _emit(self, mv: memoryview) -> None:
+        self._sha.update(mv)
+        self._pending += mv
+        self._pump(final=False)
+
+    def _start(self, final: bool) -> bool:
+        """Pick the image once enough of the head is known; False: wait for more bytes."""
+        head = self._pending
+        new = None
+        if self.name.endswith(".safetensors"):
+            size = header_size(bytes(head[:8]))
+            if (size is None and len(head) < 8 or size is not None and len(head) < size) and (
+                not final
+            ):
+                return False
+            new = parse_layout(head) if size is not None else None
+        base = read_layout(self._base_path) if new is not None else None
+        if new is not None and base is not None:
+            self._image = BaseImage.tensors(self._base_path, base, new)
+            self._target = max(FRAME, header_size(bytes(head[:8])) or 0)
+            mode = TENSORS
+        else:
+            self._image, mode = BaseImage.raw(self._base_path), RAW
+        self._frames = FrameWriter(self._inner, mode)
+        return True
+
+    def _pump(self, final: bool) -> None:
+        if self._frames is None and not self._start(final):
+            return
+        assert self._image is not None and self._frames is not None
+        while len(self._pending) >= self._target or (final and self._pending):
+            n = min(self._target, len(self._pending))
+            self._frames.add(xor(self._pending[:n], self._image.read(self._off, n)))
+            del self._pending[:n]  # bytearray drops its head without moving the rest
+            self._off += n
+            self._target = FRAME
+
+    def _finish(self) -> None:
+        self._pump(final=True)
+        self._close_image()
+        self._inner.close()
+
+    def _close_image(self) -> None:
+        if self._image is not None:
+            self._image.close()
+            self._image = None
+
+    def abort(self) -> None:
+        super().abort()
+        self._close_image()
+        self._inner.abort()
+
+
+class DeltaWriter:
+    """Publishes one version as a delta of ``base`` (see the module doc), through
+    ``inner``, a ``WeightsWriter`` of the same version. ``base_dir``: a local folder
+    holding the base's files."""
+
+    def __init__(self, inner: WeightsWriter, base: WeightsManifest, base_dir: str):
+        if base.delta is not None:
+            raise StorageError(
+                f"{version_name(base.version)} is itself a delta; a delta's base must be a full version"
+            )
+        self._inner, self._base, self._dir = inner, base, base_dir
+        self._base_files = {f.name: f for f in base.files}
+        self._lock = threading.Lock()
+        self._full: dict[str, FileEntry] = {}  # rebuilt files not stored whole
+        self.version = inner.version
+
+    @property
+    def already_committed(self) -> bool:
+        return self._inner.already_committed
+
+    @property
+    def base(self) -> int:
+        return self._base.version
+
+    def open(self, name: str) -> HashingWriter:
+        """A file of the version: XORed against the base's file of this name, or
+        stored whole when the base has none."""
+        if name.endswith(DELTA_SUFFIX):
+            raise StorageError(
+                f"file name {name!r} ends with {DELTA_SUFFIX!r}, which delta versions reserve; rename it"
+            )
+        b = self._base_files.get(name)
+        if b is None:
+            return self._inner.open(name)
+        path = os.path.join(self._dir, name)
+        verify_base_file(path, b, self._base.version, self.version)
+        return _XorFile(name, path, self._inner.open(name + DELTA_SUFFIX), self._closed)
+
+    def _closed(self, w: HashingWriter) -> None:
+        assert w.sha256 is not None
+        with self._lock:
+            self._full[w.name] = FileEntry(name=w.name, bytes=w.bytes, sha256=w.sha256)
+
+    def add_file(self, name: str, local_path: str) -> FileEntry:
+        """Copy a local file (config, tokenizer) into the version; one equal to the
+        base's file of that name is not stored (readers take the base's)."""
+        n, sha = hash_file(local_path)
+        b = self._base_files.get(name)
+        if b is not None and (b.bytes, b.sha256) == (n, sha):
+            entry = FileEntry(name=name, bytes=n, sha256=sha)
+            with self._lock:
+                self._full[name] = entry
+            return entry
+        return self._inner.add_file(name, local_path)
+
+    def commit(self) -> WeightsManifest:
+        """Write the manifest (base, digest, full files) last; see WeightsWriter.commit."""
+        with self._lock:
+            full = dict(self._full)
+        for name, e in self._inner.written().items():
+            if not name.endswith(DELTA_SUFFIX):
+                full[name] = e  # stored whole: the stored file is the full file
+        delta = DeltaOf(
+            base=self._base.version,
+            base_digest=self._base.digest(),
+            full=tuple(sorted(full.values(), key=lambda f: f.name)),
+        )
+        return self._inner.commit(delta)
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    def __enter__(self) -> DeltaWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._inner.__exit__(exc_type, exc, tb)

@@ -1,0 +1,193 @@
+"""The bytes of one delta file: a new file XORed against an image of its base file,
+cut into frames, each compressed with zstd.
+
+Layout of ``<name>.xor.zst``::
+
+    b"PRLXD1"  magic and format version
+    b"T" | b"R"  T: the image is the base's tensors placed at the new file's offsets
+                 (safetensors, matched by name, dtype and size); R: the base file as is
+    frames     [u32 little-endian length][zstd frame], in file order; each frame
+               decompresses to the XOR of the next slice of the new file and the image
+
+The image is zero wherever the base has nothing to offer (a safetensors header, a
+new tensor, bytes past the base's end), so those bytes are stored as they are.
+Matching tensors by name (not by offset) keeps a delta small even when the base
+was laid out by another writer (v0 is the base model's own files). An RL step
+changes few bf16 values, so the XOR is mostly zero bytes and zstd shrinks it.
+
+The first frame always holds the whole safetensors header (a reader learns the
+new layout from it before it needs the image). Owns this format only: no
+manifests, no hashing, no fsspec. Must not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from typing import BinaryIO
+
+import numpy as np
+
+from storage.errors import IntegrityError, StorageError
+
+MAGIC = b"PRLXD1"
+TENSORS, RAW = b"T", b"R"
+DELTA_SUFFIX = ".xor.zst"
+FRAME = 8 << 20  # bytes of the new file per frame: enough for zstd, small enough to pipeline
+MAX_HEADER = 100 << 20  # the safetensors library's own limit on a header
+LEVEL = 1  # mostly-zero input: level 1 compresses nearly as well as 3, at several GB/s
+
+# name -> (dtype, absolute start, absolute end) of each tensor's bytes in its file.
+Layout = dict[str, tuple[str, int, int]]
+
+
+def _zstd():
+    try:
+        import zstandard
+    except ImportError:  # a dependency of the project; named for a hand-made environment
+        raise StorageError(
+            "delta versions need the zstandard package; pip install zstandard"
+        ) from None
+    return zstandard
+
+
+def header_size(head: bytes) -> int | None:
+    """8 + the JSON header's length of a safetensors file starting with ``head``;
+    None when ``head`` is too short to say or cannot be a safetensors file."""
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack("<Q", head[:8])
+    return 8 + n if 2 <= n <= MAX_HEADER else None
+
+
+def parse_layout(head: bytes | memoryview) -> Layout | None:
+    """The tensors of a safetensors file whose first bytes are ``head`` (its whole
+    header included); None when it is not a well-formed one."""
+    size = header_size(bytes(head[:8]))
+    if size is None or len(head) < size:
+        return None
+    try:
+        header = json.loads(bytes(head[8:size]))
+    except ValueError:
+        return None
+    if not isinstance(header, dict):
+        return None
+    out: Layout = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, end = (int(x) for x in info["data_offsets"])
+            dtype = str(info["dtype"])
+        except (TypeError, KeyError, ValueError):
+            return None
+        if not 0 <= start <= end:
+            return None
+        out[name] = (dtype, size + start, size + end)
+    return out
+
+
+def read_layout(path: str) -> Layout | None:
+    """``parse_layout`` of a local file (None for files that are not safetensors)."""
+    with open(path, "rb") as f:
+        size = header_size(f.read(8))
+        if size is None:
+            return None
+        f.seek(0)
+        return parse_layout(f.read(size))
+
+
+class BaseImage:
+    """The bytes a new file is XORed against, read from a local base file on demand.
+
+    ``segments`` are (start, end, base offset) in the new file's coordinates, sorted
+    and disjoint; everything outside them reads as zeros."""
+
+    def __init__(self, path: str, segments: list[tuple[int, int, int]]):
+        self._fd = os.open(path, os.O_RDONLY)
+        self._segments = segments
+
+    @classmethod
+    def raw(cls, path: str) -> BaseImage:
+        return cls(path, [(0, os.path.getsize(path), 0)])
+
+    @classmethod
+    def tensors(cls, path: str, base: Layout, new: Layout) -> BaseImage:
+        segs = []
+        for name, (dtype, start, end) in new.items():
+            b = base.get(name)
+            if b is not None and b[0] == dtype and b[2] - b[1] == end - start and end > start:
+                segs.append((start, end, b[1]))
+        segs.sort()
+        return cls(path, segs)
+
+    def read(self, off: int, n: int) -> bytearray:
+        out = bytearray(n)
+        view = memoryview(out)
+        for start, end, boff in self._segments:
+            lo, hi = max(start, off), min(end, off + n)
+            if lo >= hi:
+                if start >= off + n:
+                    break
+                continue
+            got = os.preadv(self._fd, [view[lo - off : hi - off]], boff + (lo - start))
+            if got != hi - lo:
+                raise IntegrityError(
+                    f"base file ended early: wanted {hi - lo} bytes at {boff + lo - start}, got {got}"
+                )
+        return out
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def xor(new: bytes | bytearray | memoryview, image: bytearray) -> np.ndarray:
+    """new XOR image, as a uint8 array (a buffer zstd and file writes take as is)."""
+    return np.bitwise_xor(np.frombuffer(new, np.uint8), np.frombuffer(image, np.uint8))
+
+
+class FrameWriter:
+    """Writes the magic, the mode, then one frame per ``add`` into ``out``."""
+
+    def __init__(self, out: BinaryIO, mode: bytes):
+        self._out = out
+        self._c = _zstd().ZstdCompressor(level=LEVEL)
+        out.write(MAGIC + mode)
+
+    def add(self, x: np.ndarray) -> None:
+        c = self._c.compress(x)
+        self._out.write(struct.pack("<I", len(c)))
+        self._out.write(c)
+
+
+def read_frames(f: BinaryIO, where: str, limit: int) -> tuple[bytes, Iterator[bytes]]:
+    """(mode, the decompressed frames of a delta file). Every malformed byte is an
+    IntegrityError naming ``where``; ``limit`` bounds what one frame may claim."""
+    z = _zstd()
+    head = f.read(len(MAGIC) + 1)
+    if head[: len(MAGIC)] != MAGIC or head[len(MAGIC) :] not in (TENSORS, RAW):
+        raise IntegrityError(f"{where} is not a delta file (bad magic {head[:7]!r})")
+
+    def frames() -> Iterator[bytes]:
+        d = z.ZstdDecompressor()
+        while True:
+            lb = f.read(4)
+            if not lb:
+                return
+            if len(lb) != 4:
+                raise IntegrityError(f"{where} ends inside a frame length")
+            (n,) = struct.unpack("<I", lb)
+            c = f.read(n)
+            if len(c) != n:
+                raise IntegrityError(f"{where} ends inside a frame ({len(c)} of {n} bytes)")
+            try:
+                size = z.frame_content_size(c)
+                if size < 0 or size > limit:
+                    raise IntegrityError(f"{where}: a frame claims {size} bytes (limit {limit})")
+                yield d.decompress(c)
+            except z.ZstdError as e:
+                raise IntegrityError(f"{where}: a frame does not decompress ({e})") from e
+
+    return head[len(MAGIC) :], frames()
