@@ -321,6 +321,17 @@ class WeightsConfig(BaseModel):
     )
     publish_interval: int = Field(1, ge=1)
     flush_cache_interval: int = Field(1, ge=1, description="Flush engine caches every N versions")
+    delta: Literal["off", "on"] = Field(
+        "off",
+        description="on: a published version is stored as the XOR of its bytes against the "
+        "newest full version (zstd-compressed, storage.delta); readers rebuild and verify it",
+    )
+    full_every: int = Field(
+        10,
+        ge=1,
+        description="With delta on: a version is written full when no full version is fewer "
+        "than full_every versions older (1: every version full)",
+    )
 
 
 class RunIdentity(BaseModel):

@@ -120,7 +120,9 @@ class DurableState:
         self, store: Any, state: dict, version: int, iteration: int, parent: int | None
     ) -> dict:
         """Rank 0: write ``state`` as ``weights/v{version}`` and commit it (manifest last)."""
-        writer = store.weights_writer(version, iteration, parent)
+        # delta on: XOR against the newest full version within full_every (storage.delta)
+        every = self.weights_cfg.full_every if self.weights_cfg.delta == "on" else None
+        writer = store.weights_writer(version, iteration, parent, full_every=every)
         written = write_hf_weights(writer, state, self.weights_cfg.shard_size, self.base_model_path)
         manifest = manifest_dict(writer.commit())
         return {

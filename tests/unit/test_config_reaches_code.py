@@ -74,6 +74,8 @@ TRAINER_KEYS = {
     "train.megatron.pipeline_parallel",
     "model.dtype",
     "weights.shard_size",
+    "weights.delta",  # training/durable.py: the publisher's writer
+    "weights.full_every",
 }
 # Not read by the trainer: the orchestration layer reads them from ctx.cfg.
 ELSEWHERE = {
@@ -202,6 +204,21 @@ def test_training_code_reads_the_key(key):
 def test_named_module_reads_the_key(key):
     module = ELSEWHERE[key]
     assert _reads(ROOT / module, key.rsplit(".", 1)[1]), f"{module} does not read {key}"
+
+
+# rollout.* is not walked whole yet; these keys name the module that reads them.
+ROLLOUT_KEYS = {
+    "rollout.max_staleness": "tasks/rollout_versions.py",
+    "rollout.partial": "tasks/rollout_versions.py",
+    "rollout.partial_chunk": "rollout/config.py",  # RolloutConfig.head_tokens, read by rollout/partial.py
+}
+
+
+@pytest.mark.parametrize("key", sorted(ROLLOUT_KEYS))
+def test_rollout_key_is_read(key):
+    module = ROLLOUT_KEYS[key]
+    assert _reads(ROOT / module, key.rsplit(".", 1)[1]), f"{module} does not read {key}"
+    assert key.split(".")[1] in RunConfig.model_fields["rollout"].annotation.model_fields
 
 
 @pytest.mark.parametrize("key", sorted(TRAINER_KEYS))
