@@ -1,0 +1,207 @@
+"""Delta versions (storage.delta): a real training step of the tiny model published
+as a delta rebuilds bit-exact on local disk and S3; a damaged delta, a wrong base
+and a missing base are refused with the version, base and file named; retention
+keeps the bases kept deltas need; a crash mid-publish leaves no version."""
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from storage import IntegrityError, RunStore, StorageConfig, StorageError, is_local
+from storage.delta_format import DELTA_SUFFIX
+from storage.retention import discard_version
+from training.export import write_hf_weights
+
+
+@pytest.fixture(scope="module")
+def step_states(tiny_model_dir) -> tuple[str, dict, dict]:
+    """(the tiny model's dir, its bf16 state before and after one real AdamW step)."""
+    from transformers import AutoModelForCausalLM
+
+    d = tiny_model_dir
+    model = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+    before = {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(
+        0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0)
+    )
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    after = {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
+    return d, before, after
+
+
+def _publish(store: RunStore, v: int, state: dict, base_dir: str, every: int | None = 10):
+    w = store.weights_writer(v, v, v - 1 if v else None, full_every=every)
+    write_hf_weights(w, state, 256 * 1024, base_dir)
+    return w.commit()
+
+
+def _sha_dir(path: str) -> dict[str, str]:
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name != "manifest.json":
+            out[name] = hashlib.sha256(open(os.path.join(path, name), "rb").read()).hexdigest()
+    return out
+
+
+def test_a_training_step_published_as_a_delta_rebuilds_bit_exact(store, cfg, step_states, tmp_path):
+    base_dir, before, after = step_states
+    m0 = _publish(store, 0, before, base_dir)
+    m1 = _publish(store, 1, after, base_dir)
+    assert m0.delta is None and m1.delta is not None and m1.delta.base == 0
+    assert any(f.name.endswith(DELTA_SUFFIX) for f in m1.files)
+    # The same state published full elsewhere: the rebuilt files must be these bytes.
+    full = RunStore(StorageConfig(root=str(tmp_path / "full")), "run1")
+    f1 = _publish(full, 1, after, base_dir, every=None)
+    assert m1.rebuilt().file_set() == f1.file_set()
+    changed = sum((before[k] != after[k]).sum().item() for k in after)
+    total = sum(t.numel() for t in after.values())
+    assert 0 < changed < total  # a step changes some bf16 values, not all
+    assert m1.total_bytes() < 0.5 * f1.total_bytes()
+
+    pulled = store.pull(1, str(tmp_path / "cache"))
+    assert pulled.base == 0 and pulled.bytes == f1.total_bytes()
+    assert _sha_dir(pulled.path) == {f.name: f.sha256 for f in f1.files}
+    # Engines load the rebuilt folder as any other; a raw delta folder is never loadable.
+    from engines.embedded.weight_files import read_state_dict, verify_dir
+
+    assert verify_dir(pulled.path).delta is None
+    state = read_state_dict(pulled.path)
+    assert all(torch.equal(state[k], after[k]) for k in state)
+    assert store.local_version_dir(1) is None  # engines pull (rebuild) it
+    if is_local(store.fs):
+        assert store.local_version_dir(0) == store.version_url(0)
+        with pytest.raises(Exception, match="delta of v0"):
+            verify_dir(store.version_url(1))
+    # A second pull reuses the cache; materialize writes a full folder of its own bytes.
+    assert store.pull(1, str(tmp_path / "cache")).copied is False
+    out = store.materialize(1, str(tmp_path / "hf"))
+    assert _sha_dir(out) == _sha_dir(pulled.path)
+    assert all(os.stat(os.path.join(out, n)).st_nlink == 1 for n in os.listdir(out))
+
+
+def test_damaged_delta_wrong_base_and_missing_base_are_refused(store, step_states, tmp_path):
+    base_dir, before, after = step_states
+    _publish(store, 0, before, base_dir)
+    m1 = _publish(store, 1, after, base_dir)
+    name = next(f.name for f in m1.files if f.name.endswith(DELTA_SUFFIX))
+    path = f"{store.version_url(1)}/{name}"
+    good = store.fs.cat_file(path)
+
+    # Damaged delta (same size, one byte flipped): the pull's sha256 check refuses it.
+    store.fs.pipe_file(path, good[:-5] + bytes([good[-5] ^ 1]) + good[-4:])
+    with pytest.raises(IntegrityError, match=name):
+        store.pull(1, str(tmp_path / "c1"), retries=0)
+    assert not os.path.exists(tmp_path / "c1" / "v000001")
+    store.fs.pipe_file(path, good)
+
+    # A damaged base copy (its size intact) is caught by the rebuilt file's sha256.
+    c2 = tmp_path / "c2"
+    store.pull(0, str(c2))
+    shard = name.removesuffix(DELTA_SUFFIX)
+    b = c2 / "v000000" / shard
+    data = bytearray(b.read_bytes())
+    data[-3] ^= 0xFF
+    os.unlink(b)  # the cache may be a hard link to the committed file
+    b.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=rf"v000001 \(a delta of v000000\): rebuilt '{shard}'"):
+        store.pull(1, str(c2))
+    assert not (c2 / "v000001").exists()
+
+    # Wrong base: v0 republished with other bytes.
+    discard_version(store.fs, os.path.dirname(store.version_url(0)), 0, lambda: None)
+    assert store.version_state(1) == "damaged"  # its base is missing
+    with pytest.raises(
+        IntegrityError, match=r"v000001 \(a delta of v000000\): its base v000000 is missing"
+    ):
+        store.pull(1, str(tmp_path / "c3"))
+    _publish(store, 0, after, base_dir)
+    with pytest.raises(IntegrityError, match="is not the version it was made from"):
+        store.pull(1, str(tmp_path / "c4"))
+
+
+def _tiny_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 64, generator=g).to(torch.bfloat16)}
+
+
+def test_retention_keeps_the_base_of_every_kept_delta(tmp_path, tiny_model_dir):
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "r")
+    kinds = {}
+    for v in range(7):  # full_every 3: 0 full, 1 2 deltas of 0, 3 full, 4 5 of 3, 6 full
+        kinds[v] = _publish(store, v, _tiny_state(v), tiny_model_dir, every=3).delta
+    assert [v for v, d in kinds.items() if d is None] == [0, 3, 6]
+    report = store.gc(keep_last=3)  # keeps 4 5 6; 4 and 5 need 3
+    assert report.kept_versions == [3, 4, 5, 6]
+    assert report.protected == {3: "base of kept delta version 4"}
+    assert report.deleted_versions == [0, 1, 2]
+    for v in (4, 5):
+        assert store.pull(v, str(tmp_path / "cache")).base == 3
+    assert store.gc(keep_last=1).kept_versions == [6]
+
+
+# Publishes v1 as a delta of v0 and stops mid-file until killed.
+_KILLED_WRITER = r"""
+import sys
+from storage import RunStore, StorageConfig
+w = RunStore(StorageConfig(root=sys.argv[1]), "r").weights_writer(1, 1, 0, full_every=10)
+assert type(w).__name__ == "DeltaWriter"
+f = w.open(sys.argv[3])
+f.write(open(sys.argv[2], "rb").read())
+print("writing", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_crash_during_a_delta_publish_leaves_no_version(cfg, step_states, tmp_path):
+    store = RunStore(cfg, "r")
+    base_dir, before, after = step_states
+    m0 = _publish(store, 0, before, base_dir)
+    shard = next(f.name for f in m0.files if f.name.endswith(".safetensors"))
+    # An exception mid-file: nothing committed, nothing left behind.
+    w = store.weights_writer(1, 1, 0, full_every=10)
+    with pytest.raises(RuntimeError, match="boom"):
+        with w:
+            with w.open(shard) as f:
+                f.write(b"\0" * 100)
+                raise RuntimeError("boom")
+    assert store.committed_versions() == [0] and store.version_state(1) == "absent"
+    if not is_local(store.fs):
+        return
+    # SIGKILL mid-file: not a version; the next writer sweeps its staging.
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(10 << 20))  # more than one frame reaches the staging file
+    p = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, cfg.root, str(big), shard],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert p.stdout.readline() == b"writing\n"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    wdir = os.path.dirname(store.version_url(0))
+    assert store.committed_versions() == [0]
+    assert any(n.startswith(".tmp-v000001") for n in os.listdir(wdir))
+    m1 = _publish(store, 1, after, base_dir)
+    assert m1.delta is not None and store.committed_versions() == [0, 1]
+    assert not any(n.startswith(".tmp-") for n in os.listdir(wdir))
+
+
+def test_a_delta_writer_refuses_a_base_that_changed_on_disk(tmp_path, step_states):
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "r")
+    base_dir, before, after = step_states
+    m0 = _publish(store, 0, before, base_dir)
+    shard = next(f.name for f in m0.files if f.name.endswith(".safetensors"))
+    p = os.path.join(store.version_url(0), shard)
+    data = bytearray(open(p, "rb").read())
+    data[-1] ^= 1
+    open(p, "wb").write(bytes(data))  # bit rot under a committed version
+    with pytest.raises(StorageError, match=rf"base v000000 of v000001: '{shard}'"):
+        _publish(store, 1, after, base_dir)
+    assert store.committed_versions() == [0]
