@@ -62,8 +62,12 @@ class EngineGroup:
         namespace: str = "prefect-rl",
         placement: SharedPlacement | None = None,
         call_timeout_s: float | None = None,
+        weights_run: str | None = None,
     ) -> None:
         self.run_name = run_name
+        # The run whose versions ``pull`` reads (default run_name): an evaluation's
+        # group has names of its own and loads another run's versions.
+        self.weights_run = weights_run or run_name
         self.cfg = cfg
         self.namespace = namespace
         self.placement = placement  # colocated: the shared group the engines sit in
@@ -191,7 +195,7 @@ class EngineGroup:
         return pull_on_node(
             strategy,
             storage,
-            self.run_name,
+            self.weights_run,
             version,
             cache_dir,
             self.call_timeout_s,

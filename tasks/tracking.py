@@ -248,16 +248,17 @@ class RunTrackers:
             )
         return trackers
 
-    def log(self, k: int, row: dict[str, Any]) -> list[str]:
-        """Log ``row`` as iteration ``k`` to each tracker that does not hold it yet;
-        returns the trackers that logged it."""
+    def log(self, k: int, row: dict[str, Any], any_step: bool = False) -> list[str]:
+        """Log ``row`` as iteration ``k`` to each tracker that does not hold it yet
+        (``any_step``: to each tracker, at whatever step: an evaluation of version k
+        comes after the run logged later iterations); returns the trackers that logged it."""
         metrics = numeric_metrics(row)
         with self._lock:
             if self._trackers is None:
                 self._trackers = self._open()
             logged = []
             for tracker_name, tracker in self._trackers.items():
-                if k > tracker.last_iteration():
+                if any_step or k > tracker.last_iteration():
                     tracker.log(k, metrics)
                     logged.append(tracker_name)
             return logged

@@ -1,0 +1,180 @@
+"""The evaluate-versions flow on the session's Ray cluster and Prefect server: two
+versions of a tiny run, four shards on prefect-ray's RayTaskRunner, two engines of
+its own; the numbers equal a single-process evaluation (``rollout.evaluation``
+with an engine in this process); a shard whose reward fails is retried alone; a
+rerun reuses every shard and starts no engine; a version that does not exist is
+refused before any engine starts.
+
+The run's engines decode one row at a time (engines.max_batch_size 1): on CPU a
+row's numbers change in their last bits with what it is batched with, and the
+sharded evaluation batches other rows together than the single-process one."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.integration.eval_rewards import FAULTS, marker
+
+SIZE, SHARD, N = 8, 2, 2  # 8 prompts in 4 shards, pass@2
+
+
+@pytest.fixture(scope="module")
+def eval_run(ray_cluster, tmp_path_factory):
+    """A tiny run with v0 (prepare_run) and v1, v2 published as perturbed copies of
+    it (no training: what is evaluated is any committed version); no lease held."""
+    from flows.config import load_config
+    from tasks.prepare import prepare_run
+
+    tmp = tmp_path_factory.mktemp("evaluate")
+    config = tmp / "run.yaml"
+    config.write_text(
+        "rollout:\n  reward: tests.integration.eval_rewards:match_failing_once\n"
+        "  trusted_reward_modules: [tests.integration.eval_rewards]\n"
+    )
+    name = f"eval-{uuid.uuid4().hex[:6]}"
+    over = {
+        "run.name": name,
+        "storage.root": str(tmp / "runs"),
+        "engines.num_cpus_per_engine": 0.5,
+        "engines.max_batch_size": 1,
+        "eval.pass_threshold": 0.3,  # match gives partial credit: some answers pass
+        "rollout.max_new_tokens": 4,
+    }
+    ctx = prepare_run(load_config(config, over))
+    for v in (1, 2):
+        _publish_perturbed(ctx, v, tmp / f"v{v}")
+    ctx.store.release_lease(ctx.owner)
+    return ctx
+
+
+def _publish_perturbed(ctx, v: int, work) -> None:
+    src = ctx.store.local_version_dir(0)
+    work.mkdir()
+    gen = torch.Generator().manual_seed(v)
+    tensors = load_file(f"{src}/model.safetensors")
+    noisy = {
+        k: t + 0.05 * torch.randn(t.shape, generator=gen).to(t.dtype) for k, t in tensors.items()
+    }
+    save_file(noisy, str(work / "model.safetensors"), metadata={"format": "pt"})
+    writer = ctx.store.weights_writer(v, v, v - 1)
+    for f in ctx.store.read_manifest(0).files:
+        path = work / f.name if f.name == "model.safetensors" else f"{src}/{f.name}"
+        writer.add_file(f.name, str(path))
+    writer.commit()
+
+
+def _params(ctx, **extra):
+    return dict(
+        run_name=ctx.run_name,
+        storage_root=ctx.cfg.storage.root,
+        dataset="reverse",
+        size=SIZE,
+        n_samples=N,
+        temperature=1.0,
+        shard_size=SHARD,
+        num_engines=2,
+        shard_cpus=0.5,
+        **extra,
+    )
+
+
+def _eval_actors(ctx) -> list[str]:
+    from ray.util import list_named_actors
+
+    return [
+        a["name"]
+        for a in list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"{ctx.run_name}/eval-")
+    ]
+
+
+def _single_process(ctx, v: int) -> dict:
+    """rollout.evaluation.evaluate on an embedded engine in this process."""
+    from engines.embedded.engine import EmbeddedEngine
+    from rollout.evaluation import EvalConfig, evaluate
+
+    cfg = ctx.cfg
+    engine = EmbeddedEngine(ctx.store.local_version_dir(v), 0, cfg.engines, weight_version=v)
+
+    def generate_groups(prompts, n, sampling, seeds, restart_fn=None):
+        rows = [p for p in prompts for _ in range(n)]
+        params = [dict(sampling, sampling_seed=int(s)) for group in seeds for s in group]
+        out = engine.generate(rows, params)
+        return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    ev = EvalConfig(dataset="reverse", size=SIZE, n_samples=N, pass_threshold=0.3)
+    rollout = cfg.rollout.model_copy(update={"temperature": 1.0})
+    return evaluate(ev, rollout, cfg.run.seed, v, v, ctx.tokenizer(), generate_groups, None)
+
+
+def _task_runs(flow_run_id) -> dict[str, object]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+    return {r.name: r for r in runs}
+
+
+def test_a_missing_version_is_refused_before_any_engine_starts(eval_run, prefect_api):
+    from flows.evaluation import evaluate_versions
+
+    state = evaluate_versions(**_params(eval_run, versions="1,7"), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ValueError) as e:
+        state.result()
+    assert "no committed version v7" in str(e.value)
+    assert "committed versions: [0, 1, 2]" in str(e.value)
+    assert _eval_actors(eval_run) == []
+
+
+def test_two_versions_in_shards_equal_one_process_and_a_failed_shard_is_retried_alone(
+    eval_run, prefect_api
+):
+    from flows.evaluation import evaluate_versions
+    from tasks.eval_plan import evaluated_prompts
+
+    ctx = eval_run
+    prompts = evaluated_prompts(ctx, "reverse", SIZE)
+    target = prompts[2 * SHARD]  # the first prompt of shard 2
+    assert [p.label for p in prompts].count(target.label) == 1
+    FAULTS.mkdir(exist_ok=True)
+    marker(target.label).write_text("fail once")  # v1's shard 2 fails its first attempt
+
+    state = evaluate_versions(**_params(ctx, versions="1..2", shard_retries=1), return_state=True)
+    assert state.is_completed(), state.message
+    out = state.result()
+    assert not marker(target.label).exists()  # the fault fired
+    runs = _task_runs(state.state_details.flow_run_id)
+    shard_runs = {n: r for n, r in runs.items() if ":eval[" in n}
+    assert len(shard_runs) == 8  # (2 versions) x (4 shards), each its own task run
+    assert shard_runs[f"{ctx.run_name}:eval[v=1,shard=2]"].run_count == 2  # retried alone
+    assert all(r.run_count == 1 for n, r in shard_runs.items() if "v=1,shard=2" not in n)
+    loads = [n for n in runs if ":eval-load[" in n]
+    assert len(loads) == 4  # each version on each of the 2 engines
+
+    keys = ("pass_at_1_greedy", "pass_at_1", "pass_at_k")
+    for row in out["scores"]:
+        reference = _single_process(ctx, row["version"])
+        assert {k: row[k] for k in keys} == {k: reference[k] for k in keys}
+        assert row["prompts"] == SIZE and row["response_tokens"] > 0
+    assert out["scores"][0] != out["scores"][1]  # the versions differ
+
+    record = ctx.store.fs.cat_file(out["record"])
+    assert b'"pass_at_1_greedy"' in record and b'"2":' in record
+    assert _eval_actors(ctx) == []  # its engines ended with it
+
+    again = evaluate_versions(**_params(ctx, versions="1..2"), return_state=True)
+    assert again.is_completed(), again.message
+    assert [r["pass_at_1"] for r in again.result()["scores"]] == [
+        r["pass_at_1"] for r in out["scores"]
+    ]
+    runs = _task_runs(again.state_details.flow_run_id)
+    assert {r.state.name for n, r in runs.items() if ":eval[" in n} == {"Cached"}
+    assert not any(":eval-load[" in n for n in runs)  # nothing to score: no engine started
