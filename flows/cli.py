@@ -156,6 +156,54 @@ def _serve_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _evaluate(args: argparse.Namespace) -> int:
+    from flows.config import ConfigError
+    from flows.evaluation import EvaluateParams, evaluate_versions, plan_evaluation
+    from storage.errors import StorageError
+
+    try:
+        params = EvaluateParams(
+            run_name=args.run,
+            storage_root=args.root,
+            s3_endpoint_url=args.s3_endpoint_url,
+            versions=args.versions,
+            dataset=args.dataset,
+            size=args.size,
+            n_samples=args.n_samples,
+            temperature=args.temperature,
+            shard_size=args.shard_size,
+            num_engines=args.engines,
+            shard_cpus=args.shard_cpus,
+            shard_retries=args.retries,
+            ray_address=args.ray_address,
+        )
+        # Before the flow run: a missing version or run is refused with no flow run,
+        # Ray cluster or engine started.
+        plan = plan_evaluation(params)
+        if plan.ctx.cfg.ray.address is None:
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback only, as `run`
+    except (ConfigError, StorageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from tasks import reaper
+
+    reaper.guard()  # a local cluster or temporary server this starts ends with it
+    state = evaluate_versions(**params.model_dump(), return_state=True)
+    if not state.is_completed():
+        print(f"error: {state.message}", file=sys.stderr)
+        return 1
+    out = state.result()
+    k = out["scores"][0]["n_samples"]
+    print(f"{'version':>7}  pass@1 greedy  pass@1  pass@{k:<3} mean reward  tokens")
+    for row in out["scores"]:
+        print(
+            f"{row['version']:>7}  {row['pass_at_1_greedy']:>13.3f}  {row['pass_at_1']:>6.3f}  "
+            f"{row['pass_at_k']:>7.3f}  {row['reward_mean']:>11.3f}  {row['response_tokens']:>6}"
+        )
+    print(f"record: {out['record']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefect-rl", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -210,6 +258,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument("--gpu", action="store_true", help="run on CUDA if available")
     serve.set_defaults(fn=_serve_engine)
+    ev = sub.add_parser(
+        "evaluate", help="score published versions of a run (the evaluate-versions flow)"
+    )
+    ev.add_argument("run", help="run name")
+    ev.add_argument("--root", default="runs", help="storage.root (default: runs)")
+    ev.add_argument("--s3-endpoint-url", default=None, help="storage.s3.endpoint_url")
+    ev.add_argument("--versions", default="newest 2", help="'1,3,5', '2..6', 'newest N' or 'all'")
+    ev.add_argument("--dataset", default=None, help="builtin task or .jsonl/.parquet file")
+    ev.add_argument("--size", type=int, default=64, help="prompts (a file: its first rows)")
+    ev.add_argument("--n-samples", type=int, default=4, help="sampled answers per prompt (k)")
+    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--shard-size", type=int, default=16, help="prompts per shard task")
+    ev.add_argument("--engines", type=int, default=1, help="engines the evaluation starts")
+    ev.add_argument("--shard-cpus", type=float, default=1.0, help="CPUs per shard task")
+    ev.add_argument("--retries", type=int, default=2, help="retries of a failed shard")
+    ev.add_argument("--ray-address", default=None, help="default: the run's ray.address")
+    ev.set_defaults(fn=_evaluate)
     args = parser.parse_args(argv)
     return args.fn(args)
 
