@@ -11,6 +11,8 @@ from rollout.failures import FailureConfig
 from rollout.remote_reward import RemoteRewardConfig, check_url, is_url
 from rollout.rewards import load_reward
 
+# Batches made ahead at most: each waits on storage until train[k] takes it.
+MAX_STALENESS = 16
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
@@ -71,9 +73,21 @@ class RolloutConfig(BaseModel):
     max_staleness: int = Field(
         0,
         ge=0,
-        le=1,
-        description="0: on-policy (rollout k on v(k-1)); 1: rollout k+1 on v(k-1) runs beside "
-        "train[k], and the loss's importance ratio uses the engines' logprobs",
+        description="N: rollout k is generated on v(k-1-N) (v0 for k <= N), so iteration k "
+        "makes rollout[k+N] beside train[k]; 0 is on-policy. Off-policy, the loss's "
+        "importance ratio uses the engines' per-token logprobs",
+    )
+    partial: bool = Field(
+        False,
+        description="Partial rollouts: rollout[k+N] switches to v(k) once publish[k] is done; "
+        "its first rollout.partial_chunk tokens come from v(k-1), the rest from v(k), and "
+        "every token records its version (needs max_staleness >= 1)",
+    )
+    partial_chunk: int | None = Field(
+        None,
+        ge=1,
+        description="Partial rollouts: tokens of each sample generated before the version "
+        "switch (a function of the config, never of timing); None: half of max_new_tokens",
     )
     environment: str = Field(
         "none",
@@ -110,4 +124,43 @@ class RolloutConfig(BaseModel):
                 f"rollout.environment {self.environment!r} is not a builtin "
                 f"({', '.join(BUILTIN_ENVIRONMENTS)}); give one of those, or none"
             )
+        if self.max_staleness > MAX_STALENESS:
+            raise ValueError(
+                f"rollout.max_staleness {self.max_staleness} is above {MAX_STALENESS}: batches "
+                f"generated that many versions back teach little and all wait on storage; set "
+                f"it to {MAX_STALENESS} or less"
+            )
+        _check_partial(self)
         return self
+
+    @property
+    def head_tokens(self) -> int:
+        """Partial rollouts: tokens of each sample generated before the version switch."""
+        return self.partial_chunk or max(self.max_new_tokens // 2, 1)
+
+
+def _check_partial(cfg: RolloutConfig) -> None:
+    """Partial rollouts switch versions inside a batch made ahead: refuse what has none."""
+    if not cfg.partial:
+        if cfg.partial_chunk is not None:
+            raise ValueError(
+                "rollout.partial_chunk is set but rollout.partial is false; "
+                "set rollout.partial: true, or remove partial_chunk"
+            )
+        return
+    if cfg.max_staleness == 0:
+        raise ValueError(
+            "rollout.partial: true switches versions inside a batch made ahead, and "
+            "rollout.max_staleness: 0 makes none; set rollout.max_staleness >= 1"
+        )
+    if cfg.head_tokens >= cfg.max_new_tokens:
+        raise ValueError(
+            f"rollout.partial_chunk {cfg.head_tokens} leaves no token for the newer version "
+            f"(rollout.max_new_tokens {cfg.max_new_tokens}); set it below max_new_tokens"
+        )
+    if cfg.environment != "none" or cfg.dynamic_sampling.enabled:
+        raise ValueError(
+            "rollout.partial works on single-turn batches without dynamic sampling; set "
+            "rollout.environment: none and rollout.dynamic_sampling.enabled: false, or "
+            "rollout.partial: false"
+        )

@@ -28,7 +28,15 @@ from rollout.rewards import Scorer
 from rollout.seeding import sample_seed
 from rollout.types import Generated, Prompt, RolloutBatch, Sample
 
-__all__ = ["Generated", "RolloutIO", "VersionMismatch", "generate_batch", "summary"]
+__all__ = [
+    "Generated",
+    "RolloutIO",
+    "VersionMismatch",
+    "generate_batch",
+    "scored",
+    "single_turn",
+    "summary",
+]
 
 
 class GenerateGroups(Protocol):
@@ -107,10 +115,10 @@ def generate_batch(
         )
         prompts, samples, answers = episodes.prompts, episodes.samples, episodes.answers
     else:
-        samples = _single_turn(cfg, seed, k, version, tokenizer, generate_groups, restart, prompts)
+        samples = single_turn(cfg, seed, k, version, tokenizer, generate_groups, restart, prompts)
         answers = [s.response_text for s in samples]
     gen_s = time.perf_counter() - t0
-    samples = _scored(cfg, io.score, prompts, samples, answers)
+    samples = scored(cfg, io.score, prompts, samples, answers)
     batch = RolloutBatch(iteration=k, n_samples_per_prompt=n, samples=samples)
     out = Generated(batch, gen_s)
     if not first_round:
@@ -125,7 +133,7 @@ def generate_batch(
     return out
 
 
-def _single_turn(
+def single_turn(
     cfg: RolloutConfig,
     seed: int,
     k: int,
@@ -169,7 +177,7 @@ def _single_turn(
     return samples
 
 
-def _scored(
+def scored(
     cfg: RolloutConfig,
     score: Scorer | None,
     prompts: list[Prompt],
@@ -213,12 +221,20 @@ def summary(
         "gen_s": gen_s,
         "gen_tokens_per_s": (tokens / gen_s) if gen_s else None,
         "weight_version": batch.samples[0].weight_version if batch.samples else None,
+        **_versions(batch),
         "reused": reused,
         "example": batch.samples[0].response_text if batch.samples else "",
         "failures": _failure_counts(batch),
         "sampling": dynamic_sampling.counts(batch),  # hook: DAPO dynamic sampling's record
         "tools": tool_use(batch.samples, environment) if environment != "none" else None,
     }
+
+
+def _versions(batch: RolloutBatch) -> dict[str, list[int]]:
+    """Partial rollouts (``rollout.partial``): every version the batch's tokens came from."""
+    if not any(s.token_versions is not None for s in batch.samples):
+        return {}
+    return {"versions": sorted({v for s in batch.samples for v in s.versions})}
 
 
 def _failure_counts(batch: RolloutBatch) -> dict[str, int] | None:

@@ -39,12 +39,22 @@ class Sample:
     response_text: str = ""  # decoded response, for logs and debugging
     loss_mask: list[int] | None = None  # [R] 1 on the model's tokens, 0 on tool tokens; None: all 1
     turns: list[Turn] = field(default_factory=list)  # multi-turn: every turn in order; else []
+    # [R] partial rollouts (rollout.partial): the version that generated each response id,
+    # weight_version first; None: every token came from weight_version
+    token_versions: list[int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         if self.loss_mask is None and not self.turns:  # single-turn samples persist as before
             del data["loss_mask"], data["turns"]
+        if self.token_versions is None:  # as before partial rollouts existed
+            del data["token_versions"]
         return data
+
+    @property
+    def versions(self) -> list[int]:
+        """The versions the response's tokens came from, oldest first."""
+        return sorted(set(self.token_versions or [self.weight_version]))
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Sample:

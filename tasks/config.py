@@ -67,7 +67,15 @@ class TaskPolicy(BaseModel):
 # save_background: inside the background checkpoint write (exception: the write fails;
 # kill_actor: train rank 0 dies while it writes; sigkill: the flow process dies meanwhile).
 FaultStep = Literal[
-    "rollout", "train", "save", "save_background", "publish", "reload", "verify", "evaluate"
+    "rollout",
+    "rollout_head",
+    "train",
+    "save",
+    "save_background",
+    "publish",
+    "reload",
+    "verify",
+    "evaluate",
 ]
 
 
@@ -145,7 +153,7 @@ class RunConfig(BaseModel):
     def _pipelining_needs_own_devices(self) -> RunConfig:
         if self.rollout.max_staleness and self.placement.colocate:
             raise ValueError(
-                "rollout.max_staleness: 1 overlaps generation with training, but with "
+                "rollout.max_staleness >= 1 overlaps generation with training, but with "
                 "placement.colocate the engines and the trainer take turns on the same devices; "
                 "set rollout.max_staleness: 0, or placement.colocate: false"
             )

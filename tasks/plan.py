@@ -5,21 +5,33 @@ The DAG is written here once; ``flows.iteration`` (Prefect task runs) and
 ``walk``, which starts each node as soon as the nodes it waits for finished.
 
 With ``rollout.max_staleness: 0`` (the default, strictly on-policy) the plan is
-a chain. With ``max_staleness: 1`` iteration k also generates the next batch,
-rollout[k+1], on the weights engines serve during train[k] (v(k-1)), so
-generation overlaps training; reload[k] waits for it, because engines switch
-versions only between batches. Which version generates which batch is a
-function of the config (``steps.rollout_source``), never of timing:
+a chain. With ``max_staleness: N`` iteration k also generates batch k+N, on the
+weights engines serve during train[k] (v(k-1)), so generation overlaps
+training; reload[k] waits for it, because engines switch versions only between
+batches. Batches k+1..k+N-1 were made by the iterations before (iteration j-N
+makes batch j), so they are not in the plan: at most N batches wait on storage
+for the trainer. Which version generates which batch is a function of the
+config (``tasks.rollout_versions``), never of timing:
 
-    max_staleness 0                      max_staleness 1
+    max_staleness 0                      max_staleness N (1..16)
 
-    rollout[k]                           rollout[k] (made in iteration k-1)
+    rollout[k]                           rollout[k] (made in iteration k-N)
         │                                  ├────────────────┐
-    train[k] → save[k] → publish[k]      train[k]        rollout[k+1] on v(k-1)
+    train[k] → save[k] → publish[k]      train[k]        rollout[k+N] on v(k-1)
         │                                save[k]            │
     reload[k, e] → verify[k, e]          publish[k]         │
         │                                  └───────┬────────┘
     finish[k]                            reload[k, e] → verify[k, e] → finish[k]
+
+The first iteration makes batches 1..1+N (all on v0). With ``rollout.partial``
+batch k+N is two nodes (``tasks.partial_rollout``): its head (the first
+``rollout.partial_chunk`` tokens of every sample) on v(k-1) beside training,
+then, after reload[k] and verify[k], the rest on v(k):
+
+    rollout[k] ─┬──────────────────────┐
+    train[k] → save[k] → publish[k]   rollout_head[k+N] on v(k-1)
+                └──────────┬───────────┘
+    reload[k, e] → verify[k, e] → rollout[k+N] (the rest, on v(k)) → finish[k]
 
 Nothing here imports Prefect or Ray.
 """
@@ -33,6 +45,7 @@ from typing import Any, Protocol
 
 from rollout.evaluation import due
 from tasks import steps
+from tasks.rollout_versions import continue_source
 from tasks.runner import Step
 
 
@@ -53,17 +66,29 @@ class Node:
 
 def iteration_plan(ctx, k: int) -> tuple[Node, ...]:
     """The nodes of iteration k, in a valid start order (see the module docstring)."""
-    rollout = Node(steps.ROLLOUT, k)
-    train = Node(steps.TRAIN, k, after=(rollout.id,))
+    n, last_k = ctx.cfg.rollout.max_staleness, ctx.cfg.run.iterations
+    nodes: list[Node] = []
+    chain: tuple[str, ...] = ()  # the batch before: engines generate one batch at a time
+    tail: Node | None = None  # partial: rollout[k+N]'s continuation, after the version switch
+    for j in range(k, min(k + n, last_k) + 1):
+        # Batches between k and k+N were made by earlier iterations' plans (iteration j-N's);
+        # one that is missing (run.iterations grew since) is made here, in order.
+        if k < j < k + n and _made(ctx, j):
+            continue
+        if continue_source(ctx, j) is not None and (j == k + n or not _made(ctx, j)):
+            head = Node(steps.ROLLOUT_HEAD, j, after=chain)
+            nodes.append(head)
+            chain = (head.id,)
+            if j == k + n:  # continued on v(k) once reload[k] and verify[k] are done
+                tail = Node(steps.ROLLOUT, j)
+                continue
+        nodes.append(batch := Node(steps.ROLLOUT, j, after=chain))
+        chain = (batch.id,)
+    train = Node(steps.TRAIN, k, after=(f"{steps.ROLLOUT.key()}@{k}",))
     save = Node(steps.SAVE, k, after=(train.id,))
     publish = Node(steps.PUBLISH, k, after=(save.id,))
-    nodes = [rollout, train, save, publish]
-    # Batches made ahead, each after the one before: engines generate one batch at a time.
-    last = rollout
-    for j in range(k + 1, min(k + ctx.cfg.rollout.max_staleness, ctx.cfg.run.iterations) + 1):
-        last = Node(steps.ROLLOUT, j, after=(last.id,))
-        nodes.append(last)
-    ahead = () if last is rollout else (last.id,)
+    nodes += [train, save, publish]
+    ahead = () if chain == (f"{steps.ROLLOUT.key()}@{k}",) else chain
     verifies = []
     for e in steps.RELOAD.engine_ids(ctx):
         reload = Node(steps.RELOAD, k, e, after=(publish.id, *ahead))
@@ -71,11 +96,18 @@ def iteration_plan(ctx, k: int) -> tuple[Node, ...]:
         nodes += [reload, verify]
         verifies.append(verify.id)
     last = tuple(verifies)
+    if tail is not None:
+        nodes.append(tail := Node(steps.ROLLOUT, tail.k, after=last))
     if due(ctx.cfg.eval, k, ctx.cfg.run.iterations):  # eval.interval: what engines serve now
         nodes.append(evaluate := Node(steps.EVALUATE, k, after=last))
         last = (evaluate.id,)
-    nodes.append(Node(steps.FINISH, k, after=last))
+    nodes.append(Node(steps.FINISH, k, after=last + ((tail.id,) if tail else ())))
     return tuple(nodes)
+
+
+def _made(ctx, j: int) -> bool:
+    """Batch j is persisted and committed (its rollout record is in the ledger)."""
+    return ctx.store.read_record(j, steps.ROLLOUT.key()) is not None
 
 
 def node_inputs(node: Node, done: dict[str, Any]) -> dict[str, Any]:

@@ -56,6 +56,15 @@ def rollout(ctx: RunContext, k: int) -> dict[str, Any]:
 
 
 @task(
+    name="rollout_head",
+    task_run_name="{ctx.run_name}:rollout_head[k={k}]",
+    cache_key_fn=_ledger_key(steps.ROLLOUT_HEAD),
+)
+def rollout_head(ctx: RunContext, k: int) -> dict[str, Any]:
+    return _logged("rollout_head", runner.run(ctx, steps.ROLLOUT_HEAD, k))
+
+
+@task(
     name="train", task_run_name="{ctx.run_name}:train[k={k}]", cache_key_fn=_ledger_key(steps.TRAIN)
 )
 def train(ctx: RunContext, k: int) -> dict[str, Any]:
@@ -121,6 +130,7 @@ def finish_iteration(ctx: RunContext, k: int, results: dict[str, dict[str, Any]]
 # Each declaration's Prefect task: ``flows.iteration`` starts the plan's nodes through it.
 TASKS = {
     steps.ROLLOUT.name: rollout,
+    steps.ROLLOUT_HEAD.name: rollout_head,
     steps.TRAIN.name: train,
     steps.SAVE.name: save_checkpoint,
     steps.PUBLISH.name: publish_weights,

@@ -19,11 +19,13 @@ from rollout.agent import tool_row_fields
 from rollout.evaluation import row_fields
 from rollout.procedure import VersionMismatch, generate_batch, summary
 from rollout.types import RolloutBatch
-from tasks import colocate, faults, retention, runner, tracking
+from tasks import faults, retention, runner, tracking
 from tasks.engines import ensure_engine_serves, kill_train_rank0, target_version, transport_for
 from tasks.evaluation import EVALUATE
+from tasks.partial_rollout import ROLLOUT_HEAD, continue_rollout, engines_serve, restarter
 from tasks.rollout_file import named_if_unusable
 from tasks.rollout_services import rollout_io
+from tasks.rollout_versions import continue_source, rollout_source
 from tasks.runner import Step
 from tasks.types import (
     IterationRow,
@@ -40,6 +42,7 @@ from training.correction import MISMATCH_METRICS
 __all__ = [
     "EVALUATE",
     "FINISH",
+    "ROLLOUT_HEAD",
     "STEPS",
     "VersionMismatch",
     "finish_iteration",
@@ -47,6 +50,7 @@ __all__ = [
     "publish_due",
     "publish_weights",
     "reload_engine",
+    "continue_source",
     "rollout",
     "rollout_source",
     "save_checkpoint",
@@ -69,42 +73,33 @@ def _rollout_saved(ctx, k: int) -> Result | None:
     return summary(RolloutBatch.from_json(saved), gen_s=None, reused=True, environment=env)
 
 
-def rollout_source(ctx, k: int) -> int:
-    """The iteration whose weights generate rollout k: k-1 on-policy, k-1-s with
-    ``rollout.max_staleness`` s (never before the base model, iteration 0). A
-    function of the config, never of timing: a resumed run regenerates the same batch."""
-    return max(k - 1 - ctx.cfg.rollout.max_staleness, 0)
-
-
-def _engines_serve_source(ctx, k: int, engine_id: int | None) -> list[str]:
-    v = target_version(ctx, rollout_source(ctx, k))
-    group = ctx.engines()
-    for i in range(ctx.cfg.engines.num_engines):
-        ensure_engine_serves(ctx, group, i, v)
-    return []
+def _made_on(ctx, k: int) -> int:
+    """The iteration whose weights the rollout step of batch k generates on: with
+    ``rollout.partial``, the continuation's (its head is ``partial_rollout``'s)."""
+    later = continue_source(ctx, k)
+    return rollout_source(ctx, k) if later is None else later
 
 
 def _generate(ctx, k: int, engine_id: int | None) -> Result:
-    v = target_version(ctx, rollout_source(ctx, k))
-    group = ctx.engines()
-    transport = transport_for(ctx)
-
-    def restart(i: int) -> None:
-        transport.revive(ctx, group, i, v)
-        colocate.for_rollout(ctx)  # a push (in-memory transports) woke the trainer: back to sleep
-
     cfg = ctx.cfg
-    with rollout_io(ctx, group, k, restart) as io:  # multi-turn HTTP, reward tasks, failure log
-        out = generate_batch(
-            cfg.rollout,
-            cfg.run.seed,
-            k,
-            v,
-            ctx.tokenizer(),
-            group.generate_groups,
-            restart,
-            io=io,
-        )
+    later = continue_source(ctx, k)
+    if later is not None:  # a partial rollout: its head is persisted, the rest made here
+        out = continue_rollout(ctx, k, later)
+    else:
+        v = target_version(ctx, rollout_source(ctx, k))
+        group = ctx.engines()
+        restart = restarter(ctx, group, v)
+        with rollout_io(ctx, group, k, restart) as io:  # multi-turn HTTP, rewards, failure log
+            out = generate_batch(
+                cfg.rollout,
+                cfg.run.seed,
+                k,
+                v,
+                ctx.tokenizer(),
+                group.generate_groups,
+                restart,
+                io=io,
+            )
     with runner.phase("persist"):
         ctx.store.write_rollouts(k, out.batch.to_json())
     return summary(out.batch, gen_s=out.gen_s, reused=False, environment=cfg.rollout.environment)
@@ -287,7 +282,7 @@ ROLLOUT = Step(
     kill="engine",
     turn="rollout",
     skip=_rollout_saved,
-    ready=_engines_serve_source,
+    ready=lambda ctx, k, engine_id: engines_serve(ctx, _made_on(ctx, k)),
     result=RolloutResult,
 )
 TRAIN = Step(
@@ -348,7 +343,7 @@ VERIFY = Step(
 FINISH = Step("iteration", "finish_iteration", _finish, result=IterationRow)  # the commit
 
 # Every step of an iteration, in the order of the on-policy chain (``tasks.plan`` is the DAG).
-STEPS: tuple[Step, ...] = (ROLLOUT, TRAIN, SAVE, PUBLISH, RELOAD, VERIFY, EVALUATE)
+STEPS: tuple[Step, ...] = (ROLLOUT, ROLLOUT_HEAD, TRAIN, SAVE, PUBLISH, RELOAD, VERIFY, EVALUATE)
 
 
 # -- the steps as plain calls (tests, bench and older callers) ----------------------

@@ -32,7 +32,9 @@ class RolloutResult(StepResult):
     response_tokens: int
     gen_s: float | None  # generation seconds; None when the batch was reused
     gen_tokens_per_s: float | None
-    weight_version: int | None  # the version every sample came from
+    weight_version: int | None  # the version every sample came from (partial: its head's)
+    # partial rollouts (rollout.partial): every version the tokens came from, oldest first
+    versions: list[int] | None = None
     reused: bool  # True: the persisted batch of an earlier attempt
     example: str  # one response, for the console line
     # multi-turn: {retries, replaced, dropped} of rollout.failures; None for single-turn
@@ -41,6 +43,17 @@ class RolloutResult(StepResult):
     sampling: dict[str, int] | None = None
     # multi-turn: {calls, bad_calls, call_rate, correct, correct_after_call} (rollout.agent.tool_use)
     tools: dict[str, float | int | None] | None = None
+
+
+class RolloutHeadResult(StepResult):
+    """Partial rollouts: the head of batch k (``rollout.partial``), persisted unscored."""
+
+    samples: int  # batch_size * n_samples_per_prompt
+    response_tokens: int  # tokens of the head, at most partial_chunk per sample
+    unfinished: int  # samples the continuation goes on with
+    gen_s: float | None  # generation seconds; None when the head was reused
+    weight_version: int  # the version every head token came from
+    reused: bool  # True: the persisted head of an earlier attempt
 
 
 class TrainResult(StepResult):

@@ -48,10 +48,90 @@ def test_one_step_off_policy_generates_the_next_batch_beside_training(tmp_path):
     assert "rollout@5" not in waits(plan.iteration_plan(ctx, 4))
 
 
-@pytest.mark.parametrize(("staleness", "sources"), [(0, [0, 1, 2, 3]), (1, [0, 0, 1, 2])])
+@pytest.mark.parametrize(
+    ("staleness", "sources"),
+    [(0, [0, 1, 2, 3, 4, 5]), (1, [0, 0, 1, 2, 3, 4]), (2, [0, 0, 0, 1, 2, 3]), (4, [0] * 5 + [1])],
+)
 def test_which_version_generates_which_batch_is_fixed_by_the_config(tmp_path, staleness, sources):
     ctx = make_ctx(tmp_path, **{"rollout.max_staleness": staleness})
-    assert [steps.rollout_source(ctx, k) for k in (1, 2, 3, 4)] == sources
+    assert [steps.rollout_source(ctx, k) for k in range(1, 7)] == sources
+    assert [steps.continue_source(ctx, k) for k in range(1, 7)] == [None] * 6
+
+
+def made(ctx, *batches: int) -> None:
+    """Batches the iterations before made: their rollout records are in the ledger."""
+    for j in batches:
+        ctx.store.write_record(j, "rollout", {"result": {}})
+
+
+def test_staleness_n_makes_batch_k_plus_n_beside_training_and_no_other(tmp_path):
+    ctx = make_ctx(tmp_path, **{"rollout.max_staleness": 3, "run.iterations": 8})
+    first = waits(plan.iteration_plan(ctx, 1))  # batches 1..4, all on v0, one after another
+    assert [i for i in first if i.startswith("rollout")] == [f"rollout@{j}" for j in (1, 2, 3, 4)]
+    assert first["rollout@4"] == ("rollout@3",) and first["train@1"] == ("rollout@1",)
+    assert first["reload-e0@1"] == ("publish@1", "rollout@4")
+    made(ctx, 1, 2, 3, 4)
+    nodes = waits(plan.iteration_plan(ctx, 2))
+    # 3 and 4 were made by iteration 1's plan: not planned (nor regenerated) again
+    assert [i for i in nodes if i.startswith("rollout")] == ["rollout@2", "rollout@5"]
+    assert nodes["rollout@5"] == ("rollout@2",) and nodes["reload-e1@2"] == (
+        "publish@2",
+        "rollout@5",
+    )
+    # Near the end no batch past run.iterations; a missing batch (iterations grew) is made in order.
+    assert [i for i in waits(plan.iteration_plan(ctx, 7)) if i.startswith("rollout")] == [
+        "rollout@7",
+        "rollout@8",
+    ]
+
+
+@pytest.mark.parametrize(("staleness", "first_split"), [(1, 2), (2, 3), (4, 5)])
+def test_partial_batches_switch_version_at_a_place_fixed_by_the_config(
+    tmp_path, staleness, first_split
+):
+    over = {"rollout.max_staleness": staleness, "rollout.partial": True}
+    ctx = make_ctx(tmp_path, **over)
+    for k in range(1, 9):
+        later = None if k < first_split else k - staleness
+        assert steps.continue_source(ctx, k) == later
+        assert steps.rollout_source(ctx, k) == max(k - 1 - staleness, 0)
+
+
+def test_partial_rollout_continues_after_the_version_switch(tmp_path):
+    over = {"rollout.max_staleness": 2, "rollout.partial": True, "run.iterations": 6}
+    ctx = make_ctx(tmp_path, **over)
+    made(ctx, 1, 2, 3, 4)
+    nodes = waits(plan.iteration_plan(ctx, 3))
+    assert nodes["rollout_head@5"] == ("rollout@3",)  # beside train[3], on v2
+    assert nodes["reload-e0@3"] == ("publish@3", "rollout_head@5")  # switch between chunks
+    assert nodes["rollout@5"] == ("verify-e0@3", "verify-e1@3")  # the rest on v3
+    assert nodes["iteration@3"] == ("verify-e0@3", "verify-e1@3", "rollout@5")
+    assert "rollout@4" not in nodes  # made by iteration 2's plan
+
+
+@pytest.mark.parametrize(
+    ("sets", "named"),
+    [
+        ({"rollout.max_staleness": 17}, "rollout.max_staleness 17 is above 16"),
+        ({"rollout.partial": True}, "set rollout.max_staleness >= 1"),
+        (
+            {"rollout.partial": True, "rollout.max_staleness": 1, "rollout.partial_chunk": 4},
+            "below max_new_tokens",
+        ),
+        ({"rollout.partial_chunk": 2}, "rollout.partial is false"),
+        (
+            {
+                "rollout.partial": True,
+                "rollout.max_staleness": 1,
+                "rollout.environment": "calculator",
+            },
+            "single-turn",
+        ),
+    ],
+)
+def test_staleness_and_partial_settings_that_cannot_work_are_refused(tmp_path, sets, named):
+    with pytest.raises(ValueError, match=named):
+        make_ctx(tmp_path, **sets)
 
 
 def test_pipelining_is_refused_on_colocated_devices(tmp_path):

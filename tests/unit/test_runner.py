@@ -85,7 +85,16 @@ def test_the_iteration_is_declared_once():
     from tasks import rl_tasks, steps
 
     names = [s.name for s in steps.STEPS]
-    assert names == ["rollout", "train", "save", "publish", "reload", "verify", "evaluate"]
+    assert names == [
+        "rollout",
+        "rollout_head",
+        "train",
+        "save",
+        "publish",
+        "reload",
+        "verify",
+        "evaluate",
+    ]
     assert set(rl_tasks.TASKS) == {*names, "iteration"}
     assert [s.name for s in steps.STEPS if s.per_engine] == ["reload", "verify"]
     assert [s.name for s in steps.STEPS if s.audit] == ["verify"]
