@@ -332,6 +332,12 @@ class WeightsConfig(BaseModel):
         description="With delta on: a version is written full when no full version is fewer "
         "than full_every versions older (1: every version full)",
     )
+    base_cache_dir: str | None = Field(
+        None,
+        description="With delta on and an s3:// root: where the publisher keeps its verified "
+        "copy of the full base it XORs against (pulled once per base); None: "
+        "~/.cache/prefect-rl/{run}/weights, the engines' default cache",
+    )
 
 
 class RunIdentity(BaseModel):

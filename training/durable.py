@@ -8,6 +8,7 @@ actor overrides). Imports no Prefect.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from training import checkpoint
@@ -116,13 +117,20 @@ class DurableState:
             }
         return {**self._write_hf(store, state, version, iteration, parent), "warnings": warnings}
 
+    def _base_cache(self) -> str | None:
+        """weights.base_cache_dir for this run (None: the store's default)."""
+        d = self.weights_cfg.base_cache_dir
+        return None if d is None else os.path.join(d, self.run_name, "weights")
+
     def _write_hf(
         self, store: Any, state: dict, version: int, iteration: int, parent: int | None
     ) -> dict:
         """Rank 0: write ``state`` as ``weights/v{version}`` and commit it (manifest last)."""
         # delta on: XOR against the newest full version within full_every (storage.delta)
         every = self.weights_cfg.full_every if self.weights_cfg.delta == "on" else None
-        writer = store.weights_writer(version, iteration, parent, full_every=every)
+        writer = store.weights_writer(
+            version, iteration, parent, full_every=every, base_cache_dir=self._base_cache()
+        )
         written = write_hf_weights(writer, state, self.weights_cfg.shard_size, self.base_model_path)
         manifest = manifest_dict(writer.commit())
         return {

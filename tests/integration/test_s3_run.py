@@ -8,6 +8,7 @@ import pytest
 
 from flows.config import ConfigError, load_config
 from flows.driver import run_plain
+from storage import verify_dir
 from tests.s3_server import make_bucket, moto_s3
 
 
@@ -18,12 +19,15 @@ def s3_url():
         yield url
 
 
-def test_tiny_run_on_s3(ray_cluster, s3_url, tmp_path):
+@pytest.mark.parametrize("delta", ["off", "on"])
+def test_tiny_run_on_s3(ray_cluster, s3_url, tmp_path, delta):
     cache = tmp_path / "engine-cache"
     cfg = load_config(
         None,
         {
-            "run.name": "s3run",
+            "run.name": f"s3run-{delta}",
+            "weights.delta": delta,
+            "weights.base_cache_dir": str(tmp_path / "publisher-cache"),
             "run.iterations": 2,
             "run.save_interval": 2,
             "storage.root": "s3://rl-runs/exp",
@@ -38,16 +42,23 @@ def test_tiny_run_on_s3(ray_cluster, s3_url, tmp_path):
     )
     ctx, rows, _ = run_plain(cfg, quiet=True)
     store = ctx.store
-    assert store.url == "s3://rl-runs/exp/s3run"
+    run = f"s3run-{delta}"
+    assert store.url == f"s3://rl-runs/exp/{run}"
     assert [r["iteration"] for r in rows] == [1, 2]
     assert store.committed_versions() == [0, 1, 2]
     assert store.committed_checkpoints() == [2]
     assert store.serving_versions() == {0: 2}
     # engines loaded pulled, verified copies from their local cache
-    pulled = sorted(p.name for p in (cache / "s3run" / "weights").iterdir() if p.is_dir())
+    pulled = sorted(p.name for p in (cache / run / "weights").iterdir() if p.is_dir())
     assert {"v000001", "v000002"} <= set(pulled)
     for name in ("config.json", "manifest.json"):
-        assert (cache / "s3run" / "weights" / "v000002" / name).is_file()
+        assert (cache / run / "weights" / "v000002" / name).is_file()
+    if delta == "on":  # v1 and v2 are stored as deltas of v0; engines got them rebuilt
+        for v in (1, 2):
+            m = store.read_manifest(v)
+            assert m.delta is not None and m.delta.base == 0
+            assert m.total_bytes() < m.rebuilt().total_bytes()
+            assert verify_dir(str(cache / run / "weights" / f"v{v:06d}")) == m.rebuilt()
     # credentials never reach run.json
     assert "AKIA" not in str(store.read_run_json())
 

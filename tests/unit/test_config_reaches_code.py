@@ -76,6 +76,7 @@ TRAINER_KEYS = {
     "weights.shard_size",
     "weights.delta",  # training/durable.py: the publisher's writer
     "weights.full_every",
+    "weights.base_cache_dir",
 }
 # Not read by the trainer: the orchestration layer reads them from ctx.cfg.
 ELSEWHERE = {
