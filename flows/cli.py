@@ -101,6 +101,21 @@ def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _materialize(args: argparse.Namespace) -> int:
+    from storage.config import S3Options, StorageConfig
+    from storage.errors import StorageError
+    from storage.run_store import RunStore
+
+    try:
+        cfg = StorageConfig(root=args.root, s3=S3Options(endpoint_url=args.s3_endpoint_url))
+        out = RunStore(cfg, args.run).materialize(args.version, args.dir)
+    except (StorageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"v{args.version} of run {args.run!r} as a full HF folder (verified) in {out}")
+    return 0
+
+
 def _tiny_model(args: argparse.Namespace) -> int:
     if args.shape == "qwen2-0.5b":
         from training.qwen2_shape import write_qwen2_05b
@@ -231,6 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     runs.add_argument("root", nargs="?", default="runs", help="storage.root (default: runs)")
     runs.add_argument("--s3-endpoint-url", default=None, help="storage.s3.endpoint_url")
     runs.set_defaults(fn=_runs)
+    mat = sub.add_parser(
+        "materialize",
+        help="write a weight version (a delta rebuilt from its base) as a full HF folder",
+    )
+    mat.add_argument("run", help="run name")
+    mat.add_argument("version", type=int, help="weight version, e.g. 12")
+    mat.add_argument("dir", help="new folder to write")
+    mat.add_argument("--root", default="runs", help="storage.root (default: runs)")
+    mat.add_argument("--s3-endpoint-url", default=None, help="storage.s3.endpoint_url")
+    mat.set_defaults(fn=_materialize)
     imp = sub.add_parser(
         "import-model",
         help="write an HF checkpoint of a packaged model (smollm2-135m-instruct) or a GGUF file",

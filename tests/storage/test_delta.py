@@ -205,3 +205,19 @@ def test_a_delta_writer_refuses_a_base_that_changed_on_disk(tmp_path, step_state
     with pytest.raises(StorageError, match=rf"base v000000 of v000001: '{shard}'"):
         _publish(store, 1, after, base_dir)
     assert store.committed_versions() == [0]
+
+
+def test_the_materialize_command_writes_any_version_as_a_full_folder(
+    tmp_path, tiny_model_dir, capsys
+):
+    from flows.cli import main
+
+    root = str(tmp_path / "runs")
+    store = RunStore(StorageConfig(root=root), "r")
+    _publish(store, 0, _tiny_state(0), tiny_model_dir)
+    m1 = _publish(store, 1, _tiny_state(1), tiny_model_dir)
+    assert m1.delta is not None
+    assert main(["materialize", "r", "1", str(tmp_path / "hf1"), "--root", root]) == 0
+    assert _sha_dir(str(tmp_path / "hf1")) == {f.name: f.sha256 for f in m1.delta.full}
+    assert main(["materialize", "r", "7", str(tmp_path / "hf7"), "--root", root]) == 2
+    assert "v000007" in capsys.readouterr().err and not (tmp_path / "hf7").exists()
