@@ -1,8 +1,11 @@
-"""One-step off-policy pipelining (``rollout.max_staleness: 1``): rollout[k+1]
-runs beside train[k]. It learns; which version generates which batch is fixed by
-the config, so a run that fails at every step, or whose flow process is
-SIGKILLed while rollout[k+1] and train[k] both run, ends byte-identical to an
-uninterrupted run."""
+"""Off-policy pipelining (``rollout.max_staleness: N``): rollout[k+N] runs beside
+train[k]. It learns; which version generates which batch is fixed by the config,
+so a run that fails at every step, or whose flow process is SIGKILLed while a
+batch made ahead and train[k] both run, ends byte-identical to an uninterrupted
+run. Staleness 1 runs the whole matrix here; staleness 2 with partial rollouts
+(``rollout.partial``) runs its version split, a replayed step and a SIGKILL beside
+training in CI, and its whole matrix (and staleness 1's SIGKILL beside training)
+when ``PREFECT_RL_FULL_MATRIX=1``."""
 
 from __future__ import annotations
 
@@ -27,8 +30,19 @@ from tests.e2e.services import rl_run_args, run_to_exit
 pytestmark = pytest.mark.slow
 
 
-def pipelined(root: Path, name: str, faults: list[dict] | None = None) -> dict:
-    return {**overrides(root, name, faults), "rollout.max_staleness": 1}
+PARTIAL = {"rollout.max_staleness": 2, "rollout.partial": True}
+# Partial rollouts add a step: its faults hit heads and continuations of batches made ahead
+# (batch j > 2 is split: head on v(j-3), the rest on v(j-2), made in iteration j-2).
+PARTIAL_PLAN = {**PLAN, "rollout": 5, "rollout_head": 4}
+PARTIAL_KILL_PLAN = {**KILL_PLAN, "rollout": 6, "rollout_head": 3}
+FULL_MATRIX = pytest.mark.skipif(
+    os.environ.get("PREFECT_RL_FULL_MATRIX") != "1",
+    reason="the whole matrix at staleness 2 runs only with PREFECT_RL_FULL_MATRIX=1",
+)
+
+
+def pipelined(root: Path, name: str, faults: list[dict] | None = None, mode: dict | None = None):
+    return {**overrides(root, name, faults), "rollout.max_staleness": 1, **(mode or {})}
 
 
 def store_of(over: dict):
@@ -47,6 +61,40 @@ def pipelined_reference(ray_cluster, tmp_path_factory) -> dict[str, str]:
         versions = {s["weight_version"] for s in store.read_rollouts(k)["samples"]}
         assert versions == {max(k - 2, 0)}, (k, versions)
     return final_weights(store)
+
+
+@pytest.fixture(scope="module")
+def partial_reference(ray_cluster, tmp_path_factory) -> dict[str, str]:
+    """Staleness 2 with partial rollouts, uninterrupted. Batch j > 2 carries two versions,
+    v(j-3) on its head and v(j-2) on the rest; a rollout step run again from the persisted
+    head (its batch deleted) rebuilds the batch byte for byte."""
+    from tasks import runner, steps
+
+    over = pipelined(tmp_path_factory.mktemp("partial-ref"), "partial-ref", mode=PARTIAL)
+    ctx, _, _ = run_plain(load_config(BASE, over), quiet=True, keep_actors=True)
+    store = ctx.store
+    try:
+        for k in range(1, ITERATIONS + 1):
+            samples = store.read_rollouts(k)["samples"]
+            versions = {
+                v for s in samples for v in s.get("token_versions") or [s["weight_version"]]
+            }
+            assert versions == ({0} if k <= 2 else {k - 3, k - 2}), (k, versions)
+            assert {s["weight_version"] for s in samples} == {max(k - 3, 0)}
+        before = store.fs.cat_file(store.rollouts_url(5))
+        store.fs.rm(store.rollouts_url(5))
+        store.fs.rm(f"{store.url}/ledger/iter_000005/rollout.json")
+        again = runner.run(ctx, steps.ROLLOUT, 5)  # engines back on v3, the head continued
+        assert again["versions"] == [2, 3] and not again["cached"]
+        assert store.fs.cat_file(store.rollouts_url(5)) == before
+    finally:
+        ctx.trainer().shutdown()
+        ctx.engines().shutdown()
+    return final_weights(store)
+
+
+def test_partial_rollouts_carry_two_versions_and_replay_identically(partial_reference):
+    assert partial_reference  # the checks are the fixture's: every later test relies on them
 
 
 def test_off_policy_run_learns(ray_cluster, tmp_path):
@@ -80,15 +128,28 @@ def test_pipelined_run_heals_every_step_byte_identical(
     assert_records_complete(store)
 
 
+@pytest.mark.parametrize(
+    ("mode", "fault", "reference"),
+    [
+        # CI runs one of the two: staleness 2 with partial rollouts goes through every
+        # part staleness 1 does, and the split batches too
+        pytest.param(
+            {}, {"step": "rollout", "iteration": 4}, "pipelined_reference", marks=FULL_MATRIX
+        ),
+        # the head of batch 5 runs beside train[3] on v2
+        (PARTIAL, {"step": "rollout_head", "iteration": 5}, "partial_reference"),
+    ],
+    ids=["staleness1", "staleness2-partial"],
+)
 def test_sigkill_while_rollout_and_train_overlap_resumes_byte_identical(
-    ray_cluster, prefect_api, pipelined_reference, tmp_path
+    ray_cluster, prefect_api, request, tmp_path, mode, fault, reference
 ):
-    """rollout[k=4] runs beside train[3]: the flow process dies there; a rerun finishes."""
+    """A batch made ahead runs beside train[3]: the flow process dies there; a rerun finishes."""
     from engines.group import EngineGroup
 
-    over = pipelined(
-        tmp_path, "pipe-sigkill", [{"step": "rollout", "iteration": 4, "kind": "sigkill"}]
-    )
+    expected = request.getfixturevalue(reference)
+    name = "pipe-sigkill" if not mode else "partial-sigkill"
+    over = pipelined(tmp_path, name, [{**fault, "kind": "sigkill"}], mode)
     over["ray.address"] = ray_cluster.get_runtime_context().gcs_address
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     codes = []
@@ -99,7 +160,56 @@ def test_sigkill_while_rollout_and_train_overlap_resumes_byte_identical(
     assert codes == [-9, 0], codes
     store = store_of(over)
     # Killed beside train[3]: iteration 3 was not committed when the process died.
-    assert final_weights(store) == pipelined_reference
+    assert final_weights(store) == expected
+    assert_records_complete(store)
+    cfg = load_config(BASE, over)
+    EngineGroup(cfg.run.name, cfg.engines, namespace=cfg.ray.namespace).shutdown()
+
+
+@FULL_MATRIX
+def test_partial_run_heals_every_step_byte_identical(
+    ray_cluster, prefect_api, partial_reference, tmp_path
+):
+    """Staleness 2, partial: every step (heads and continuations too) once by an exception
+    and once by its killed actor, in one flow run."""
+    from flows.rl_training import rl_training
+
+    faults = [
+        {"step": s, "iteration": k, "kind": kind}
+        for kind, points in {"exception": PARTIAL_PLAN, "kill_actor": PARTIAL_KILL_PLAN}.items()
+        for s, k in points.items()
+    ]
+    over = pipelined(tmp_path, "partial-faults", faults, PARTIAL)
+    state = rl_training(config_path=BASE, overrides=over, return_state=True)
+    assert state.is_completed(), state
+    store = store_of(over)
+    fired = sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(f"{store.url}/faults"))
+    assert fired == sorted(f"{f['step']}-{f['iteration']:06d}-{f['kind']}" for f in faults)
+    assert final_weights(store) == partial_reference
+    assert_records_complete(store)
+
+
+@FULL_MATRIX
+def test_partial_run_resumes_byte_identical_after_a_sigkill_at_every_step(
+    ray_cluster, prefect_api, partial_reference, tmp_path
+):
+    """Staleness 2, partial: each step's SIGKILL of the flow process, then a rerun."""
+    from engines.group import EngineGroup
+
+    faults = [{"step": s, "iteration": k, "kind": "sigkill"} for s, k in PARTIAL_PLAN.items()]
+    over = pipelined(tmp_path, "partial-sigkill-all", faults, PARTIAL)
+    over["ray.address"] = ray_cluster.get_runtime_context().gcs_address
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    codes = []
+    for _ in range(len(faults) + 1):
+        code, err, _ = run_to_exit(rl_run_args(BASE, over), env)
+        codes.append(code)
+        assert code in (0, -9), err[-3000:]
+        if code == 0:
+            break
+    assert codes == [-9] * len(faults) + [0], codes
+    store = store_of(over)
+    assert final_weights(store) == partial_reference
     assert_records_complete(store)
     cfg = load_config(BASE, over)
     EngineGroup(cfg.run.name, cfg.engines, namespace=cfg.ray.namespace).shutdown()
