@@ -16,8 +16,9 @@
             │
       finish[k]  ──► metrics row + ledger/iter_k/iteration.json (the iteration's commit)
 
-With ``rollout.max_staleness: 1``, rollout[k+1] runs beside train[k] on v(k-1)
-and reload[k] waits for it (``tasks.plan`` draws both shapes). The DAG is
+With ``rollout.max_staleness: N``, rollout[k+N] runs beside train[k] on v(k-1)
+and reload[k] waits for it; with ``rollout.partial`` only its head does, and the
+rest runs on v(k) after verify[k] (``tasks.plan`` draws the shapes). The DAG is
 ``tasks.plan.iteration_plan``, written once; this module and the plain driver
 (``flows/driver.py``) both hand it to ``tasks.plan.walk``, which starts a node
 when what it waits for has succeeded, so a failed step leaves no task run
@@ -33,7 +34,7 @@ Ray task per step cost ~0.35 s of Prefect and Ray overhead each. An iteration
 is not a subflow either: a Prefect 3.9 subflow costs ~0.3 s to create and
 joins its heartbeat thread, which sleeps in 1 s steps, at its end. An
 iteration is recognisable in the UI by its task-run names (``<run>:train[k=3]``;
-a rollout made ahead is ``rollout[k=4]`` among iteration 3's task runs). Task
+a rollout made ahead is ``rollout[k=5]`` among iteration 3's task runs at staleness 2). Task
 runs carry no per-iteration tag: Prefect treats every tag as a concurrency-limit
 name and a new one cost ~2 s on this machine.
 
