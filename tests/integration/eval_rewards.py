@@ -1,8 +1,13 @@
-"""A reward for the evaluate-versions tests: ``match`` that fails once for a chosen
-label. The test writes a marker file named by the label's sha256 into ``FAULTS``;
-the first scoring of that label (in whichever Ray worker scores its shard)
-removes the marker and raises, so exactly the shard holding the label fails
-once, and its retry scores normally. A real fault of the reward, not a mock."""
+"""A reward for the evaluate-versions tests that fails once for a chosen label.
+
+The score is a function of every character of the answer (a byte of its sha256,
+in quarters): about half of a random model's answers pass a 0.5 threshold, and
+a changed answer changes its score with probability 3/4, so equal pass rates
+over many answers mean equal answers. The test writes a marker file named by a
+label's sha256 into ``FAULTS``; the first scoring of that label (in whichever
+Ray worker scores its shard) removes the marker and raises, so exactly the
+shard holding the label fails once, and its retry scores normally. A real
+fault of the reward, not a mock."""
 
 from __future__ import annotations
 
@@ -11,8 +16,6 @@ import os
 import tempfile
 from pathlib import Path
 
-from rollout.rewards import match_reward
-
 FAULTS = Path(tempfile.gettempdir()) / f"prefect-rl-eval-faults-{os.getuid()}"
 
 
@@ -20,11 +23,11 @@ def marker(label: str) -> Path:
     return FAULTS / hashlib.sha256(label.encode()).hexdigest()
 
 
-def match_failing_once(response: str, label: str) -> float:
+def digest_failing_once(response: str, label: str) -> float:
     try:
         marker(label).unlink()
     except FileNotFoundError:
-        return match_reward(response, label)
+        return (hashlib.sha256(response.encode()).digest()[0] % 4) / 3
     raise RuntimeError(
         f"injected reward failure for label {label!r} (tests/integration/eval_rewards.py)"
     )

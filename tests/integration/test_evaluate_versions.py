@@ -32,7 +32,7 @@ def eval_run(ray_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("evaluate")
     config = tmp / "run.yaml"
     config.write_text(
-        "rollout:\n  reward: tests.integration.eval_rewards:match_failing_once\n"
+        "rollout:\n  reward: tests.integration.eval_rewards:digest_failing_once\n"
         "  trusted_reward_modules: [tests.integration.eval_rewards]\n"
     )
     name = f"eval-{uuid.uuid4().hex[:6]}"
@@ -41,7 +41,7 @@ def eval_run(ray_cluster, tmp_path_factory):
         "storage.root": str(tmp / "runs"),
         "engines.num_cpus_per_engine": 0.5,
         "engines.max_batch_size": 1,
-        "eval.pass_threshold": 0.3,  # match gives partial credit: some answers pass
+        "eval.pass_threshold": 0.5,  # about half the answers pass (eval_rewards)
         "rollout.max_new_tokens": 4,
     }
     ctx = prepare_run(load_config(config, over))
@@ -106,7 +106,7 @@ def _single_process(ctx, v: int) -> dict:
         out = engine.generate(rows, params)
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    ev = EvalConfig(dataset="reverse", size=SIZE, n_samples=N, pass_threshold=0.3)
+    ev = EvalConfig(dataset="reverse", size=SIZE, n_samples=N, pass_threshold=0.5)
     rollout = cfg.rollout.model_copy(update={"temperature": 1.0})
     return evaluate(ev, rollout, cfg.run.seed, v, v, ctx.tokenizer(), generate_groups, None)
 
@@ -164,6 +164,7 @@ def test_two_versions_in_shards_equal_one_process_and_a_failed_shard_is_retried_
         reference = _single_process(ctx, row["version"])
         assert {k: row[k] for k in keys} == {k: reference[k] for k in keys}
         assert row["prompts"] == SIZE and row["response_tokens"] > 0
+        assert 0 < row["pass_at_1"] < 1  # answers pass and fail
     assert out["scores"][0] != out["scores"][1]  # the versions differ
 
     record = ctx.store.fs.cat_file(out["record"])
@@ -178,3 +179,12 @@ def test_two_versions_in_shards_equal_one_process_and_a_failed_shard_is_retried_
     runs = _task_runs(again.state_details.flow_run_id)
     assert {r.state.name for n, r in runs.items() if ":eval[" in n} == {"Cached"}
     assert not any(":eval-load[" in n for n in runs)  # nothing to score: no engine started
+
+
+def test_the_cli_refuses_a_missing_version_without_a_flow_run(eval_run, capsys):
+    from flows.cli import main
+
+    root = eval_run.cfg.storage.root
+    assert main(["evaluate", eval_run.run_name, "--root", root, "--versions", "2..4"]) == 2
+    err = capsys.readouterr().err
+    assert "no committed version v3, v4" in err and "committed versions: [0, 1, 2]" in err
