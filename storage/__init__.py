@@ -18,6 +18,10 @@ Contracts:
 - A local staging folder is its writer's while the writer holds its flock
   (``storage.staging``); new writers and gc remove the staging nobody holds.
 - ``storage.runs`` lists a root's runs read-only; a damaged record is shown, never fatal.
+- A version may be a delta of an earlier full version (``storage.delta``: XOR per
+  tensor, zstd; its manifest names the base and the full files' sha256). Only a
+  pull reads one: it rebuilds the full files and verifies each (``storage.rebuild``);
+  ``verify_dir`` refuses a delta folder. Retention keeps a kept delta's base.
 - ``check_root(cfg)`` before anything starts turns bad roots into clear errors.
 - Imports neither prefect, ray nor torch.
 """

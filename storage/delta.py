@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
+import numpy as np
 
 from storage.delta_format import (
     DELTA_SUFFIX,
@@ -39,7 +41,7 @@ from storage.delta_format import (
     header_size,
     parse_layout,
     read_layout,
-    xor,
+    xor_into,
 )
 from storage.errors import IntegrityError, ManifestError, StorageError
 from storage.hashio import HashingWriter, hash_file
@@ -69,6 +71,9 @@ def choose_base(
             return m
     return None
 
+
+# sha256 of a delta file's new bytes runs here, beside its XOR and compression.
+_SHA_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="storage-delta-sha")
 
 # (path, inode, size, mtime_ns) -> sha256 of base files this process has hashed:
 # committed files are immutable, so one read per base file per process is enough.
@@ -113,51 +118,55 @@ class _XorFile(HashingWriter):
     def __init__(self, name: str, base_path: str, inner: HashingWriter, on_close: Any):
         super().__init__(name, on_close)
         self._base_path, self._inner = base_path, inner
-        self._pending = bytearray()  # new bytes not yet in a frame, from offset self._off
-        self._off = 0
-        self._target = FRAME  # bytes of the next frame (the first one holds the whole header)
+        self._head = bytearray()  # the first bytes, held until the image is chosen
+        self._off = 0  # bytes of the new file already in frames
+        self._fbuf = np.empty(FRAME, np.uint8)  # reused: one frame's image, then its XOR
         self._image: BaseImage | None = None
         self._frames: FrameWriter | None = None
 
     def _emit(self, mv: memoryview) -> None:
-        self._sha.update(mv)
-        self._pending += mv
-        self._pump(final=False)
+        fut = _SHA_POOL.submit(self._sha.update, mv)  # the hash overlaps XOR and zstd
+        try:
+            if self._frames is not None:
+                self._frame(mv, FRAME)
+            else:
+                self._head += mv
+                self._start_if_ready(final=False)
+        finally:
+            fut.result()  # the caller may reuse its buffer once write() returns
 
-    def _start(self, final: bool) -> bool:
-        """Pick the image once enough of the head is known; False: wait for more bytes."""
-        head = self._pending
-        new = None
+    def _start_if_ready(self, final: bool) -> None:
+        """Pick the image once the head is known; the first frame holds the whole head."""
+        head = self._head
+        new, size = None, None
         if self.name.endswith(".safetensors"):
             size = header_size(bytes(head[:8]))
-            if (size is None and len(head) < 8 or size is not None and len(head) < size) and (
-                not final
-            ):
-                return False
+            if not final and (len(head) < 8 or size is not None and len(head) < size):
+                return
             new = parse_layout(head) if size is not None else None
         base = read_layout(self._base_path) if new is not None else None
         if new is not None and base is not None:
-            self._image = BaseImage.tensors(self._base_path, base, new)
-            self._target = max(FRAME, header_size(bytes(head[:8])) or 0)
-            mode = TENSORS
+            self._image, mode = BaseImage.tensors(self._base_path, base, new), TENSORS
         else:
             self._image, mode = BaseImage.raw(self._base_path), RAW
         self._frames = FrameWriter(self._inner, mode)
-        return True
+        self._head = bytearray()
+        self._frame(memoryview(head), max(FRAME, len(head)))
 
-    def _pump(self, final: bool) -> None:
-        if self._frames is None and not self._start(final):
-            return
+    def _frame(self, mv: memoryview, first: int) -> None:
         assert self._image is not None and self._frames is not None
-        while len(self._pending) >= self._target or (final and self._pending):
-            n = min(self._target, len(self._pending))
-            self._frames.add(xor(self._pending[:n], self._image.read(self._off, n)))
-            del self._pending[:n]  # bytearray drops its head without moving the rest
-            self._off += n
-            self._target = FRAME
+        i, size = 0, first
+        while i < len(mv):
+            n = min(size, len(mv) - i)
+            if n > len(self._fbuf):
+                self._fbuf = np.empty(n, np.uint8)
+            x = self._image.read_into(self._off, self._fbuf[:n])
+            self._frames.add(xor_into(x, mv[i : i + n]))
+            i, self._off, size = i + n, self._off + n, FRAME
 
     def _finish(self) -> None:
-        self._pump(final=True)
+        if self._frames is None:
+            self._start_if_ready(final=True)
         self._close_image()
         self._inner.close()
 

@@ -123,29 +123,33 @@ class BaseImage:
         segs.sort()
         return cls(path, segs)
 
-    def read(self, off: int, n: int) -> bytearray:
-        out = bytearray(n)
-        view = memoryview(out)
+    def read_into(self, off: int, out: np.ndarray) -> np.ndarray:
+        """Fill ``out`` (uint8) with the image's bytes from ``off``; returns it. Reusing
+        one buffer matters: fresh pages cost more than the XOR (first-touch faults)."""
+        n, pos = len(out), off  # pos: the first byte of out not yet filled
         for start, end, boff in self._segments:
-            lo, hi = max(start, off), min(end, off + n)
-            if lo >= hi:
-                if start >= off + n:
-                    break
+            if end <= pos:
                 continue
-            got = os.preadv(self._fd, [view[lo - off : hi - off]], boff + (lo - start))
+            if start >= off + n:
+                break
+            lo, hi = max(start, pos), min(end, off + n)
+            out[pos - off : lo - off] = 0
+            got = os.preadv(self._fd, [memoryview(out[lo - off : hi - off])], boff + (lo - start))
             if got != hi - lo:
                 raise IntegrityError(
                     f"base file ended early: wanted {hi - lo} bytes at {boff + lo - start}, got {got}"
                 )
+            pos = hi
+        out[pos - off :] = 0
         return out
 
     def close(self) -> None:
         os.close(self._fd)
 
 
-def xor(new: bytes | bytearray | memoryview, image: bytearray) -> np.ndarray:
-    """new XOR image, as a uint8 array (a buffer zstd and file writes take as is)."""
-    return np.bitwise_xor(np.frombuffer(new, np.uint8), np.frombuffer(image, np.uint8))
+def xor_into(image: np.ndarray, new: bytes | bytearray | memoryview) -> np.ndarray:
+    """image ^= new, in place (uint8): the delta when encoding, the file when decoding."""
+    return np.bitwise_xor(image, np.frombuffer(new, np.uint8), out=image)
 
 
 class FrameWriter:

@@ -16,6 +16,8 @@ import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from storage.delta_format import (
     DELTA_SUFFIX,
     FRAME,
@@ -25,7 +27,7 @@ from storage.delta_format import (
     parse_layout,
     read_frames,
     read_layout,
-    xor,
+    xor_into,
 )
 from storage.errors import IntegrityError
 from storage.hashio import LocalHashingWriter, hash_file
@@ -130,6 +132,7 @@ def _decode(stage: str, base_dir: str, e: FileEntry, m: WeightsManifest) -> None
     base_path = os.path.join(base_dir, e.name)
     out = LocalHashingWriter(e.name, dst, writeback=False)  # a cache: no fsync
     image: BaseImage | None = None
+    buf = np.empty(FRAME, np.uint8)  # reused: fresh pages cost more than the XOR
     try:
         with open(src, "rb") as f:
             mode, frames = read_frames(
@@ -144,7 +147,9 @@ def _decode(stage: str, base_dir: str, e: FileEntry, m: WeightsManifest) -> None
                     )
                 if image is None:
                     image = _image(mode, x, base_path, e, m)
-                out.write(xor(x, image.read(off, len(x))))
+                if len(x) > len(buf):
+                    buf = np.empty(len(x), np.uint8)
+                out.write(xor_into(image.read_into(off, buf[: len(x)]), x))
                 off += len(x)
         if image is None:  # an empty file
             image = BaseImage.raw(base_path)
