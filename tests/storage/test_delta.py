@@ -221,3 +221,51 @@ def test_the_materialize_command_writes_any_version_as_a_full_folder(
     assert _sha_dir(str(tmp_path / "hf1")) == {f.name: f.sha256 for f in m1.delta.full}
     assert main(["materialize", "r", "7", str(tmp_path / "hf7"), "--root", root]) == 2
     assert "v000007" in capsys.readouterr().err and not (tmp_path / "hf7").exists()
+
+
+def test_files_that_do_not_line_up_with_the_base_still_rebuild_exactly(tmp_path):
+    """Raw (non-safetensors) files, sizes that differ from the base's, an empty file, a
+    new file and an unchanged one: each rebuilds to its own bytes."""
+    import numpy as np
+
+    from storage.safetensors_io import TensorEntry, write_safetensors
+
+    def st(n: int) -> bytes:
+        import io
+
+        a = np.arange(n, dtype=np.uint16)
+        buf = io.BytesIO()
+        write_safetensors(
+            buf, [TensorEntry("a", "BF16", (n,), a.tobytes()), TensorEntry("b", "U8", (3,), b"xyz")]
+        )
+        return buf.getvalue()
+
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "r")
+    v0 = {
+        "model.safetensors": st(1000),
+        "raw.bin": os.urandom(5000),
+        "same.json": b"{}",
+        "gone.txt": b"x",
+    }
+    v1 = {
+        "model.safetensors": st(1200),  # another header, tensor 'a' of another size
+        "raw.bin": v0["raw.bin"][:3000] + b"tail",  # shorter than the base's
+        "same.json": b"{}",
+        "empty.bin": b"",
+        "new.bin": os.urandom(100),
+    }
+    for v, files in ((0, v0), (1, v1)):
+        w = store.weights_writer(v, v, None, full_every=5)
+        for name, data in files.items():
+            with w.open(name) as f:
+                f.write(data)
+        m = w.commit()
+    assert m.delta is not None and {f.name: f.bytes for f in m.delta.full} == {
+        n: len(b) for n, b in v1.items()
+    }
+    pulled = store.pull(1, str(tmp_path / "cache")).path
+    assert {
+        n: open(os.path.join(pulled, n), "rb").read()
+        for n in os.listdir(pulled)
+        if n != "manifest.json"
+    } == v1
