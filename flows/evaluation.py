@@ -37,6 +37,7 @@ run's lease and never writes into its versions, ledger or serving records.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -107,8 +108,10 @@ def evaluate_versions(params: EvaluateParams) -> dict[str, Any]:
     try:
         with RayTaskRunner(address=plan.ctx.cfg.ray.address) as runner:
             for v in plan.versions:
+                t0 = time.perf_counter()
                 shards = score_version(runner, plan, v, shard_task, todo[v], params.shard_cpus)
-                scores.append(version_scores(shards))
+                # wall_s: the version's load and shards, as the flow waited for them
+                scores.append({**version_scores(shards), "wall_s": time.perf_counter() - t0})
                 log.info("v%d: %s", v, _line(scores[-1]))
     finally:
         if any(todo.values()):

@@ -27,6 +27,7 @@ def eval_run(ray_cluster, tmp_path_factory):
     """A tiny run with v0 (prepare_run) and v1, v2 published as perturbed copies of
     it (no training: what is evaluated is any committed version); no lease held."""
     from flows.config import load_config
+    from tasks import lease as run_lease
     from tasks.prepare import prepare_run
 
     tmp = tmp_path_factory.mktemp("evaluate")
@@ -47,7 +48,7 @@ def eval_run(ray_cluster, tmp_path_factory):
     ctx = prepare_run(load_config(config, over))
     for v in (1, 2):
         _publish_perturbed(ctx, v, tmp / f"v{v}")
-    ctx.store.release_lease(ctx.owner)
+    run_lease.release(ctx)  # stops the renewals prepare_run started, then releases
     return ctx
 
 
