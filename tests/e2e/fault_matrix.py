@@ -59,8 +59,9 @@ def overrides(root: Path, name: str, faults: list[dict] | None = None) -> dict:
 
 
 def final_weights(store, version: int = ITERATIONS) -> dict[str, str]:
-    """The safetensors files of ``version`` (the last by default), by name: their sha256."""
-    manifest = store.read_manifest(version)
+    """The safetensors files of ``version`` (the last by default), by name: their sha256
+    (of the full files, also when the version is stored as a delta: weights.delta)."""
+    manifest = store.read_manifest(version).rebuilt()
     return {f.name: f.sha256 for f in manifest.files if f.name.endswith(".safetensors")}
 
 
