@@ -181,6 +181,15 @@ class _XorFile(HashingWriter):
         self._inner.abort()
 
 
+def _own_name(name: str) -> str:
+    """``name``, refused when it ends like a delta file (a reader would decode it)."""
+    if name.endswith(DELTA_SUFFIX):
+        raise StorageError(
+            f"file name {name!r} ends with {DELTA_SUFFIX!r}, which delta versions reserve; rename it"
+        )
+    return name
+
+
 class DeltaWriter:
     """Publishes one version as a delta of ``base`` (see the module doc), through
     ``inner``, a ``WeightsWriter`` of the same version. ``base_dir``: a local folder
@@ -208,11 +217,7 @@ class DeltaWriter:
     def open(self, name: str) -> HashingWriter:
         """A file of the version: XORed against the base's file of this name, or
         stored whole when the base has none."""
-        if name.endswith(DELTA_SUFFIX):
-            raise StorageError(
-                f"file name {name!r} ends with {DELTA_SUFFIX!r}, which delta versions reserve; rename it"
-            )
-        b = self._base_files.get(name)
+        b = self._base_files.get(_own_name(name))
         if b is None:
             return self._inner.open(name)
         path = os.path.join(self._dir, name)
@@ -228,7 +233,7 @@ class DeltaWriter:
         """Copy a local file (config, tokenizer) into the version; one equal to the
         base's file of that name is not stored (readers take the base's)."""
         n, sha = hash_file(local_path)
-        b = self._base_files.get(name)
+        b = self._base_files.get(_own_name(name))
         if b is not None and (b.bytes, b.sha256) == (n, sha):
             entry = FileEntry(name=name, bytes=n, sha256=sha)
             with self._lock:
