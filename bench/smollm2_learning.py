@@ -46,7 +46,7 @@ def main() -> None:
     cfg = load_config(args.config, overrides)
     print(f"config {args.config}, {args.iterations} iterations, storage {root}")
     t0 = time.perf_counter()
-    ctx, rows, seconds = run_plain(cfg, quiet=True, keep_actors=True)
+    ctx, rows, seconds = run_plain(cfg, quiet=False, keep_actors=True)
     base = base_evaluation(ctx)
     print(f"{'k':>3} {'reward':>7} {'pass@1 greedy':>14} {'pass@1 sampled':>15}  example")
     for r in rows:

@@ -73,7 +73,7 @@ smollm2)
     python3 -m flows.cli import-model smollm2-135m-instruct || exit 1
     with_site configs/smollm2-gpu.yaml /tmp/smollm2-gpu.yaml
     python3 -m bench.smollm2_learning --config /tmp/smollm2-gpu.yaml \
-        --iterations "${ITERATIONS:-60}" 2>&1 |
+        --iterations "${ITERATIONS:-60}" 2>&1 | stdbuf -oL tr "\r" "\n" |
         grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tee "$OUT/smollm2_gpu.txt" | tail -80
     ;;
 *)

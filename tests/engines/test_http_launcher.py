@@ -94,9 +94,11 @@ def test_embedded_actor_serves_http(engine_group, tiny_v1):
 def test_launcher_stop_escalates_and_failed_launch_reports_log(tmp_path, tiny_dir):
     eng = SGLangEngine(str(tiny_dir), 0, _cfg(tmp_path, "--ignore-sigterm", stop_timeout_s=1.0))
     assert eng.client.health_generate() and eng.is_running()
+    assert eng.health_generate()  # what the steps ask: a scheduler round trip
     t0 = time.monotonic()
     assert eng.stop() == -9  # SIGTERM ignored: SIGKILL after stop_timeout_s
     assert time.monotonic() - t0 >= 1.0 and not eng.is_running()
+    assert not eng.health_generate()  # a dead server is not alive
     with pytest.raises(RuntimeError, match="exited with 3") as e:
         SGLangEngine(str(tiny_dir), 1, _cfg(tmp_path, "--exit-after-start"))
     assert "stand-in sglang server" in str(e.value)  # the log tail names the cause
