@@ -29,6 +29,7 @@ import ray
 from engines.actor_options import CONTROL_CONCURRENCY, CONTROL_GROUP, GENERATE_CONCURRENCY
 from engines.client import EngineClient, EngineHTTPError
 from engines.config import EngineConfig
+from engines.sglang.folder_check import refusal, tensor_shapes
 from engines.sglang.server import SGLangServer
 from engines.types import GenerateResult, PauseMode, UpdateWeightsResult
 
@@ -57,6 +58,7 @@ class SGLangEngine:
     ) -> None:
         self.engine_id = engine_id
         self._cfg = cfg
+        self._start_shapes = tensor_shapes(model_path)  # what every reload must hold
         api_key = os.environ.get(cfg.api_key_env) or None
         self._server = SGLangServer(
             model_path, engine_id, cfg.sglang, cfg.tp_size, weight_version, api_key
@@ -193,6 +195,11 @@ class SGLangEngine:
         flush_cache: bool = True,
         abort_all_requests: bool = False,
     ) -> UpdateWeightsResult:
+        """The server loads ``model_path`` itself, once it holds every tensor of the
+        start folder in its shape (``engines.sglang.folder_check``)."""
+        why = refusal(model_path, self._start_shapes)
+        if why is not None:
+            return {"success": False, "message": why, "num_paused_requests": 0}
         return self._result(
             "disk reload",
             self.client.update_weights_from_disk,

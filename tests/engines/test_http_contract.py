@@ -170,7 +170,7 @@ def test_info_and_health(client, tiny_dir):
     assert httpx.get(f"{client.base_url}/health").status_code == 200
 
 
-def test_update_weights_and_version(client, tiny_dir, tiny_v1, broken_dir):
+def test_update_weights_and_version(client, tiny_dir, tiny_v1, broken_dir, kind):
     before = client.generate(
         input_ids=PROMPT, sampling_params={"max_new_tokens": 8, "temperature": 0}
     )
@@ -190,11 +190,14 @@ def test_update_weights_and_version(client, tiny_dir, tiny_v1, broken_dir):
     )
     assert after["meta_info"]["weight_version"] == "1" and client.get_weight_version() == "1"
     assert after["output_ids"] != before["output_ids"]
-    # A broken dir is refused (400) and the old weights keep serving.
-    with pytest.raises(EngineHTTPError) as e:
-        client.update_weights_from_disk(str(broken_dir), weight_version="2")
-    assert e.value.status == 400 and "missing" in e.value.message
-    assert client.get_weight_version() == "1"
+    if kind == "embedded":
+        # A broken dir is refused (400) and the old weights keep serving. SGLang 0.5.17
+        # loads what the folder holds and answers success: its engine actor checks the
+        # folder first (engines.sglang.folder_check, test_http_launcher.py).
+        with pytest.raises(EngineHTTPError) as e:
+            client.update_weights_from_disk(str(broken_dir), weight_version="2")
+        assert e.value.status == 400 and "missing" in e.value.message
+        assert client.get_weight_version() == "1"
     assert client.update_weight_version("5", abort_all_requests=False)["new_version"] == "5"
     assert client.model_info()["weight_version"] == "5"
     assert client.update_weights_from_disk(str(tiny_dir), weight_version="0")["success"]
@@ -216,7 +219,7 @@ def test_weight_update_session_brackets_an_update(client, tiny_dir):
         client.end_weight_update()
 
 
-def test_pause_abort_returns_inflight_and_holds_new(client, pool):
+def test_pause_abort_returns_inflight_and_holds_new(client, pool, kind):
     futs = [_long(pool, client, seed=s) for s in (1, 2)]
     _wait_running(client)
     assert client.flush_cache() is False  # 400 while requests run
@@ -229,7 +232,8 @@ def test_pause_abort_returns_inflight_and_holds_new(client, pool):
     time.sleep(0.3)
     assert not waiting.done()  # new requests wait while paused
     assert client.flush_cache() is True
-    assert client.health_generate()  # health answers while paused
+    if kind == "embedded":  # SGLang's /health_generate waits out a pause: 503 after 20 s
+        assert client.health_generate()  # health answers while paused
     client.continue_generation()
     assert waiting.result(timeout=30)["meta_info"]["finish_reason"]["type"] in ("stop", "length")
 

@@ -54,7 +54,9 @@ def _gone(pid: int, timeout_s: float = 15.0) -> bool:
     return False
 
 
-def test_group_of_sglang_kind_runs_and_stops_standin(ray_cluster, tiny_dir, tiny_v1, tmp_path):
+def test_group_of_sglang_kind_runs_and_stops_standin(
+    ray_cluster, tiny_dir, tiny_v1, broken_dir, tmp_path
+):
     group = EngineGroup(f"test-{uuid.uuid4().hex[:8]}", _cfg(tmp_path), namespace="prefect-rl-test")
     group.start(str(tiny_dir), weight_version=3)
     try:
@@ -67,7 +69,12 @@ def test_group_of_sglang_kind_runs_and_stops_standin(ray_cluster, tiny_dir, tiny
         out = group.generate_groups([[1, 5, 6]], 2, {"max_new_tokens": 4}, [[1, 2]])
         assert len(out[0]) == 2 and {r["meta_info"]["weight_version"] for r in out[0]} == {"3"}
         res = ray.get(h.update_weights_from_disk.remote("/etc", "4"))
-        assert not res["success"] and "allowed roots" in res["message"]
+        assert not res["success"] and "no *.safetensors" in res["message"]
+        # A folder short of a tensor never reaches the server: real SGLang would load the
+        # rest and serve a mix of versions.
+        res = ray.get(h.update_weights_from_disk.remote(str(broken_dir), "4"))
+        assert not res["success"] and "missing 1 tensor(s)" in res["message"]
+        assert ray.get(h.get_weight_version.remote()) == "3"
         urls = group.start_http()
         with EngineClient(urls[0]) as client:
             assert client.health_generate() and client.get_weight_version() == "3"
