@@ -12,9 +12,7 @@ Owns the driver-side view of a run's engines. It holds only names and config
   and load the version it is told to serve; ``engines.node_resource`` pins the
   groups to the engine hosts (``engines.placement``).
 
-``generate_groups`` (and ``generate_rows``) give each engine a fixed share of the
-groups as one call, so what an engine decodes together is decided by the request,
-never by timing; a dead engine's share is regenerated whole after its restart.
+Rollout dispatch (``generate_groups``, ``generate_rows``) is ``engines.dispatch``.
 
 It never decides which version should be served: the caller (reload, verify)
 does; a restart defaults to the version a live peer reports.
@@ -28,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -41,18 +38,16 @@ from engines import deadline
 from engines.actor_history import ran_before
 from engines.client import EngineClient
 from engines.config import EngineConfig
-from engines.embedded.engine import EngineDeadError, actor_class
+from engines.dispatch import RolloutDispatch
+from engines.embedded.engine import actor_class
 from engines.node_pull import pull_on_node
 from engines.placement import SharedPlacement, pinned, unplaceable
-from engines.types import GenerateResult
 from storage.config import StorageConfig
 
 log = logging.getLogger(__name__)
 
-RestartFn = Callable[[int], None]
 
-
-class EngineGroup:
+class EngineGroup(RolloutDispatch):
     """Driver-side handle on a run's engines; holds names and config only."""
 
     def __init__(
@@ -322,82 +317,3 @@ class EngineGroup:
             raise RuntimeError(f"{self.actor_name(i)} serves no HTTP: call start_http() first")
         kwargs.setdefault("deadline_s", self.call_timeout_s)
         return EngineClient(url, api_key=os.environ.get(self.cfg.api_key_env) or None, **kwargs)
-
-    # ---- rollout ----------------------------------------------------------
-
-    def generate_groups(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        sampling: dict[str, Any],
-        seeds: list[list[int]],
-        restart_fn: RestartFn | None = None,
-        max_restarts: int = 2,
-    ) -> list[list[GenerateResult]]:
-        """``n`` samples per prompt, in prompt order; ``seeds[g][j]``: sample j of
-        prompt g's sampling_seed. Dispatch and restarts: ``generate_rows``."""
-        if len(seeds) != len(prompts) or any(len(s) != n for s in seeds):
-            raise ValueError("seeds must hold n seeds for each prompt")
-        rows = [[p] * n for p in prompts]
-        params = [[dict(sampling, sampling_seed=int(s)) for s in row] for row in seeds]
-        return self.generate_rows(rows, params, restart_fn, max_restarts)
-
-    def generate_rows(
-        self,
-        rows: list[list[list[int]]],
-        params: list[list[dict[str, Any]]],
-        restart_fn: RestartFn | None = None,
-        max_restarts: int = 2,
-    ) -> list[list[GenerateResult]]:
-        """Generate each of group g's rows ``rows[g]`` with its ``params[g]`` entry
-        (a partial rollout's continuation: a sample's prompt and its tokens so far).
-        Group g goes to engine ``g % engines`` (index order) in that engine's one
-        call, never decoded with another call's rows: the result is a function of
-        the request and the weights, not of timing. A dead engine is restarted
-        (``restart_fn(i)``) at most ``max_restarts`` times and its share sent again
-        whole, so no group mixes versions; CallTimeout after ``call_timeout_s``."""
-        if len(params) != len(rows) or any(len(p) != len(r) for p, r in zip(params, rows)):
-            raise ValueError("params must hold one dict for each row")
-        restart = restart_fn or self._default_restart
-        engines = self.handles()
-        if not engines:
-            raise RuntimeError(f"no engines of run {self.run_name!r} exist: call start() first")
-        order = sorted(engines)
-        shares = {i: list(range(pos, len(rows), len(order))) for pos, i in enumerate(order)}
-        restarts = {i: 0 for i in order}
-        results: list[list[GenerateResult]] = [[] for _ in rows]
-        clock = deadline.Deadline(self.call_timeout_s)
-
-        def send(i: int) -> ray.ObjectRef:
-            share = shares[i]
-            flat = [row for g in share for row in rows[g]]
-            return engines[i].generate.remote(flat, [p for g in share for p in params[g]])
-
-        inflight = {send(i): i for i in order if any(rows[g] for g in shares[i])}
-        while inflight:
-            done, _ = ray.wait(list(inflight), num_returns=1, timeout=clock.remaining())
-            if not done:  # the deadline passed with every call still waiting
-                waiting = [self.actor_name(e) for e in inflight.values()]
-                raise clock.expired(waiting, f"generate ({len(inflight)} engine shares waiting)")
-            i = inflight.pop(done[0])
-            try:
-                out = ray.get(done[0])
-            except (RayActorError, EngineDeadError):  # the actor, or its decode loop, died
-                restarts[i] += 1
-                if restarts[i] > max_restarts:
-                    raise
-                restart(i)
-                engines[i] = self._require(i)
-                inflight[send(i)] = i  # the whole share again, on the restarted engine
-                continue
-            start = 0  # the share's rows, back into their groups
-            for g in shares[i]:
-                results[g] = out[start : start + len(rows[g])]
-                start += len(rows[g])
-        return results
-
-    def _require(self, i: int) -> ActorHandle:
-        h = self.handle(i)
-        if h is None:
-            raise RuntimeError(f"{self.actor_name(i)} is missing after its restart")
-        return h
