@@ -8,10 +8,10 @@ and the CPU goal of issue 33 beside the figures it reads:
 
     mean reward of the last 5 iterations > mean reward of the first 5
 
-After the run the base model (v0) is evaluated on the same engines and held-out
-prompts by the same evaluate step (ledger record ``iter_0/evaluate``), and the
-GPU goal of issue 33 is read beside it: the last held-out greedy pass@1 at
-least 2x the base model's. Needs the model imported once:
+The base model (v0) is evaluated before training on the same engines and held-out
+prompts (``eval.before_training``: ledger record ``iter_0/evaluate``), and the GPU
+goal of issue 33 is read beside it: the last held-out greedy pass@1 at least 2x
+the base model's. Needs the model imported once:
 
     .venv/bin/prefect-rl import-model smollm2-135m-instruct
     .venv/bin/python -m bench.smollm2_learning --iterations 20
@@ -46,9 +46,13 @@ def main() -> None:
     cfg = load_config(args.config, overrides)
     print(f"config {args.config}, {args.iterations} iterations, storage {root}")
     t0 = time.perf_counter()
-    ctx, rows, seconds = run_plain(cfg, quiet=False, keep_actors=True)
-    base = base_evaluation(ctx)
+    ctx, rows, seconds = run_plain(cfg, quiet=False)
     print(f"{'k':>3} {'reward':>7} {'pass@1 greedy':>14} {'pass@1 sampled':>15}  example")
+    base = base_evaluation(ctx)
+    if base is not None:
+        print(
+            f"{0:>3} {'':>7} {base['pass_at_1_greedy']:>14.3f} {base['pass_at_1']:>15.3f}  (base)"
+        )
     for r in rows:
         greedy, sampled = r.get("eval_pass_at_1_greedy"), r.get("eval_pass_at_1")
         print(
@@ -76,18 +80,10 @@ def main() -> None:
 
 
 def base_evaluation(ctx) -> dict | None:
-    """The evaluate step for v0 on the run's engines (the engines reload the base
-    model first); None when the config evaluates nothing."""
-    from tasks import runner
-    from tasks.evaluation import EVALUATE
-
-    if ctx.cfg.eval.interval <= 0:
-        return None
-    try:
-        return runner.run(ctx, EVALUATE, 0)
-    finally:
-        ctx.trainer().shutdown()
-        ctx.engines().shutdown()
+    """The base model's evaluation (``eval.before_training``: the ledger record of
+    ``evaluate[0]``, run before iteration 1's rollout); None when there is none."""
+    record = ctx.store.read_record(0, "evaluate")
+    return None if record is None else record["result"]
 
 
 if __name__ == "__main__":

@@ -13,6 +13,16 @@ EVAL_CURVES = (
 )
 
 
+def eval_points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The evaluations of a run in order, as rows of eval columns: the base model's
+    (iteration 0, from iteration 1's eval_base_* columns) first when there is one."""
+    points = []
+    if rows and rows[0].get("eval_base_pass_at_1") is not None:
+        base = {key: rows[0][key.replace("eval_", "eval_base_", 1)] for key, _ in EVAL_CURVES}
+        points.append({"iteration": 0, "eval_k": rows[0].get("eval_base_k"), **base})
+    return points + [r for r in rows if r.get("eval_pass_at_1") is not None]
+
+
 def reward_curve_png(rows: list[dict[str, Any]], title: str) -> bytes:
     import matplotlib
 
@@ -27,8 +37,9 @@ def reward_curve_png(rows: list[dict[str, Any]], title: str) -> bytes:
         ms=3,
         label="mean reward",
     )
-    # Evaluated iterations (eval.interval) add their pass rates, on the same [0, 1] scale.
-    evaluated = [r for r in rows if r.get("eval_pass_at_1") is not None]
+    # Evaluated iterations (eval.interval) add their pass rates, on the same [0, 1] scale;
+    # the base model's (eval.before_training, in iteration 1's row) at iteration 0.
+    evaluated = eval_points(rows)
     for key, label in EVAL_CURVES:
         if evaluated:
             xs = [r["iteration"] for r in evaluated]
@@ -63,11 +74,11 @@ def summary_markdown(
             f"{first['reward_mean']:.3f} -> {last['reward_mean']:.3f}",
             "",
         ]
-        evaluated = [r for r in rows if r.get("eval_pass_at_1") is not None]
-        if evaluated:
-            e = evaluated[-1]
+        points = eval_points(rows)
+        for e in points if len(points) <= 2 else [points[0], points[-1]]:  # first and last
+            at = "of the base model" if e["iteration"] == 0 else f"at iteration {e['iteration']}"
             lines += [
-                f"Evaluation at iteration {e['iteration']}: pass@1 greedy "
+                f"Evaluation {at}: pass@1 greedy "
                 f"{e['eval_pass_at_1_greedy']:.3f}, pass@1 sampled {e['eval_pass_at_1']:.3f}, "
                 f"pass@{e['eval_k']} {e['eval_pass_at_k']:.3f}",
                 "",

@@ -59,6 +59,11 @@ class EvalConfig(BaseModel):
     n_samples: int = Field(
         4, ge=1, description="Sampled answers per prompt: pass@k is reported for k = n_samples"
     )
+    before_training: bool = Field(
+        True,
+        description="Also evaluate the base model (v0) before iteration 1's rollout, on the "
+        "same prompts: iteration 1's row gets its scores as eval_base_* (with interval > 0)",
+    )
     pass_threshold: float = Field(
         1.0,
         allow_inf_nan=False,  # NaN passes nothing: every pass@k would read 0
@@ -79,8 +84,13 @@ class EvalConfig(BaseModel):
 
 
 def due(cfg: EvalConfig, k: int, last: int) -> bool:
-    """Whether iteration k (of ``last``) is evaluated."""
-    return cfg.interval > 0 and (k % cfg.interval == 0 or k == last)
+    """Whether iteration k (of ``last``) is evaluated; k = 0 is the base model, before
+    iteration 1's rollout (``eval.before_training``)."""
+    if cfg.interval <= 0:
+        return False
+    if k == 0:
+        return cfg.before_training
+    return k % cfg.interval == 0 or k == last
 
 
 def eval_prompts(cfg: EvalConfig, rollout: RolloutConfig, seed: int) -> list[Prompt]:
@@ -143,13 +153,14 @@ def evaluate(
     }
 
 
-def row_fields(result: dict[str, Any] | None) -> dict[str, Any]:
-    """The metrics row's eval columns from the evaluate step's result ({} when not run)."""
+def row_fields(result: dict[str, Any] | None, prefix: str = "eval") -> dict[str, Any]:
+    """The metrics row's eval columns from the evaluate step's result ({} when not run);
+    ``prefix`` ``eval_base``: the base model's, in iteration 1's row."""
     if not result or not result.get("evaluated"):
         return {}
     return {
-        "eval_pass_at_1_greedy": result["pass_at_1_greedy"],
-        "eval_pass_at_1": result["pass_at_1"],
-        "eval_pass_at_k": result["pass_at_k"],
-        "eval_k": result["n_samples"],
+        f"{prefix}_pass_at_1_greedy": result["pass_at_1_greedy"],
+        f"{prefix}_pass_at_1": result["pass_at_1"],
+        f"{prefix}_pass_at_k": result["pass_at_k"],
+        f"{prefix}_k": result["n_samples"],
     }

@@ -23,7 +23,9 @@ config (``tasks.rollout_versions``), never of timing:
         │                                  └───────┬────────┘
     finish[k]                            reload[k, e] → verify[k, e] → finish[k]
 
-The first iteration makes batches 1..1+N (all on v0). With ``rollout.partial``
+The first iteration makes batches 1..1+N (all on v0). With ``eval.interval`` and
+``eval.before_training`` it first evaluates the base model (``evaluate[0]``);
+its rollout[1] waits for that, and finish[1] writes its scores as eval_base_*. With ``rollout.partial``
 batch k+N is two nodes (``tasks.partial_rollout``): its head (the first
 ``rollout.partial_chunk`` tokens of every sample) on v(k-1) beside training,
 then, after reload[k] and verify[k], the rest on v(k):
@@ -47,6 +49,7 @@ from rollout.evaluation import due
 from tasks import steps
 from tasks.rollout_versions import continue_source
 from tasks.runner import Step
+from tasks.steps import BASE_EVAL
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,9 @@ def iteration_plan(ctx, k: int) -> tuple[Node, ...]:
     n, last_k = ctx.cfg.rollout.max_staleness, ctx.cfg.run.iterations
     nodes: list[Node] = []
     chain: tuple[str, ...] = ()  # the batch before: engines generate one batch at a time
+    if k == 1 and due(ctx.cfg.eval, 0, last_k):  # the base model, before any batch
+        nodes.append(base := Node(steps.EVALUATE, 0))
+        chain = (base.id,)
     tail: Node | None = None  # partial: rollout[k+N]'s continuation, after the version switch
     for j in range(k, min(k + n, last_k) + 1):
         # Batches between k and k+N were made by earlier iterations' plans (iteration j-N's);
@@ -111,11 +117,16 @@ def _made(ctx, j: int) -> bool:
 
 
 def node_inputs(node: Node, done: dict[str, Any]) -> dict[str, Any]:
-    """Extra inputs of a node: the finish step gets its iteration's results by ledger key."""
+    """Extra inputs of a node: the finish step gets its iteration's results by ledger key
+    (iteration 1's also the base model's evaluation, as ``evaluate_base``)."""
     if node.step is not steps.FINISH:
         return {}
     suffix = f"@{node.k}"
-    return {"results": {i.removesuffix(suffix): r for i, r in done.items() if i.endswith(suffix)}}
+    results = {i.removesuffix(suffix): r for i, r in done.items() if i.endswith(suffix)}
+    base = f"{steps.EVALUATE.key()}@0"
+    if node.k == 1 and base in done:
+        results[BASE_EVAL] = done[base]
+    return {"results": results}
 
 
 class Future(Protocol):

@@ -243,6 +243,9 @@ def _verify(ctx, k: int, engine_id: int) -> Result:
 
 
 # -- finish -----------------------------------------------------------------------
+BASE_EVAL = "evaluate_base"  # finish[1]'s input: the base model's evaluation (evaluate[0])
+
+
 def _finish(ctx, k: int, engine_id: None, results: dict[str, Result]) -> Result:
     """Append the metrics row; the runner then commits the iteration (written last)."""
     r, t, p = results["rollout"], results["train"], results["publish"]
@@ -257,6 +260,7 @@ def _finish(ctx, k: int, engine_id: None, results: dict[str, Result]) -> Result:
         "reload_s": max((x.get("reload_s") or 0.0 for x in reloads), default=0.0),
         "example": r.get("example"),
         **row_fields(results.get("evaluate")),
+        **row_fields(results.get(BASE_EVAL), prefix="eval_base"),
         **tool_row_fields(r.get("tools")),
     }
     with runner.phase("metrics"):

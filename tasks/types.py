@@ -143,6 +143,11 @@ class IterationRow(StepResult):
     eval_pass_at_1: float | None = None
     eval_pass_at_k: float | None = None
     eval_k: int | None = None
+    # Iteration 1 only: the base model's scores (eval.before_training).
+    eval_base_pass_at_1_greedy: float | None = None
+    eval_base_pass_at_1: float | None = None
+    eval_base_pass_at_k: float | None = None
+    eval_base_k: int | None = None
     # Set only for multi-turn rollouts (rollout.agent.tool_row_fields).
     tool_call_rate: float | None = None
     tool_correct_after_call: float | None = None

@@ -102,6 +102,7 @@ ELSEWHERE = {
     "eval.size": "rollout/evaluation.py",
     "eval.n_samples": "rollout/evaluation.py",
     "eval.pass_threshold": "rollout/evaluation.py",
+    "eval.before_training": "rollout/evaluation.py",
 }
 # One allowed value: nothing to carry until a second one is added.
 ONE_CHOICE: set[str] = set()

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from flows.report import reward_curve_png, summary_markdown
+from flows.report import eval_points, reward_curve_png, summary_markdown
 from rollout.config import RolloutConfig
 from rollout.evaluation import (
     EVAL_INDEX_BASE,
@@ -87,3 +87,34 @@ def test_the_report_shows_the_eval_curves():
     assert png.startswith(b"\x89PNG") and png != reward_curve_png(rows[:1], "t")
     md = summary_markdown("r", "/x", rows, [4], {}, {0: 4})
     assert "pass@1 greedy 0.200, pass@1 sampled 0.100, pass@4 0.300" in md
+
+
+def test_the_report_puts_the_base_model_at_iteration_0():
+    rows = [{"iteration": k, "reward_mean": 0.1 * k} for k in range(1, 5)]
+    rows[0].update(
+        eval_base_pass_at_1_greedy=0.15,
+        eval_base_pass_at_1=0.05,
+        eval_base_pass_at_k=0.2,
+        eval_base_k=4,
+    )
+    rows[3].update(eval_pass_at_1_greedy=0.6, eval_pass_at_1=0.5, eval_pass_at_k=0.7, eval_k=4)
+    assert [p["iteration"] for p in eval_points(rows)] == [0, 4]
+    assert eval_points(rows)[0]["eval_pass_at_1_greedy"] == 0.15
+    md = summary_markdown("r", "/x", rows, [4], {}, {0: 4})
+    assert "Evaluation of the base model: pass@1 greedy 0.150" in md
+    assert "Evaluation at iteration 4: pass@1 greedy 0.600" in md
+    assert row_fields(
+        {
+            "evaluated": True,
+            "pass_at_1_greedy": 0.15,
+            "pass_at_1": 0.05,
+            "pass_at_k": 0.2,
+            "n_samples": 4,
+        },
+        prefix="eval_base",
+    ) == {
+        "eval_base_pass_at_1_greedy": 0.15,
+        "eval_base_pass_at_1": 0.05,
+        "eval_base_pass_at_k": 0.2,
+        "eval_base_k": 4,
+    }

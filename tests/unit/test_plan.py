@@ -224,3 +224,20 @@ def test_a_plan_with_a_cycle_or_a_missing_node_is_refused(tmp_path):
         plan.walk([a, b], lambda n, done: None)
     with pytest.raises(ValueError, match="not in the plan"):
         plan.walk([a], lambda n, done: None)
+
+
+def test_the_base_model_is_evaluated_before_the_first_batch_and_reaches_row_1(tmp_path):
+    """eval.before_training: evaluate[0] runs first in iteration 1's plan (engines serve
+    v0), rollout[1] waits for it, and finish[1] gets it as the base evaluation."""
+    ctx = make_ctx(tmp_path, **{"eval.interval": 2, "run.iterations": 4})
+    first = waits(plan.iteration_plan(ctx, 1))
+    assert first["evaluate@0"] == () and first["rollout@1"] == ("evaluate@0",)
+    assert "evaluate@0" not in waits(plan.iteration_plan(ctx, 2))
+    finish = next(n for n in plan.iteration_plan(ctx, 1) if n.step is steps.FINISH)
+    done = {"evaluate@0": {"evaluated": True}, "rollout@1": {"r": 1}}
+    assert plan.node_inputs(finish, done)["results"] == {
+        steps.BASE_EVAL: {"evaluated": True},
+        "rollout": {"r": 1},
+    }
+    off = make_ctx(tmp_path, **{"eval.interval": 2, "eval.before_training": False})
+    assert "evaluate@0" not in waits(plan.iteration_plan(off, 1))
