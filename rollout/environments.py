@@ -17,17 +17,9 @@ named by ``rollout.environment``; ``none`` is the single-turn rollout.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
-from rollout.types import Prompt
-
-
-@dataclass(frozen=True)
-class Transition:
-    observation: str  # text appended to the context before the next model turn ("" when done)
-    reward: float  # reward of this step (shaping; the outcome reward is rollout.reward's)
-    done: bool  # True: the episode ends with this turn
+from rollout.types import Prompt, Transition
 
 
 class Environment(Protocol):

@@ -26,8 +26,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rollout.builtin_tasks import BUILTIN_TASKS
 from rollout.config import RolloutConfig
-from rollout.datasets import BUILTIN_TASKS, LOADERS, PromptSource, load_prompts
+from rollout.datasets import LOADERS, PromptSource, load_prompts
 from rollout.procedure import GenerateGroups, RolloutIO, generate_batch
 from rollout.rewards import LABEL_CHECKS
 from rollout.types import Prompt

@@ -18,13 +18,10 @@ import importlib
 import inspect
 import typing
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rollout.math_answer import label_error, math_reward
-from rollout.remote_reward import is_url, post_rewards
-
-if TYPE_CHECKING:  # rollout.config imports this module to check rollout.reward
-    from rollout.config import RolloutConfig
+from rollout.remote_reward import RemoteRewardConfig, is_url, post_rewards
 
 RewardFn = Callable[[str, str], float]
 # Scores a batch: one item per sample ({"prompt", "response", "label", ...}), one reward each.
@@ -112,7 +109,16 @@ def load_reward(spec: str, trusted: Sequence[str] = ()) -> RewardFn:
     return fn
 
 
-def score(cfg: RolloutConfig, items: list[dict[str, Any]]) -> list[float]:
+class RewardSettings(Protocol):
+    """What scoring reads of the rollout section (``rollout.config.RolloutConfig``,
+    which imports this module to check ``rollout.reward`` at load)."""
+
+    reward: str
+    trusted_reward_modules: list[str]
+    remote_reward: RemoteRewardConfig
+
+
+def score(cfg: RewardSettings, items: list[dict[str, Any]]) -> list[float]:
     """The reward of each item (``response`` against ``label``): posted to the reward
     server, or the reward function applied in this process."""
     if is_url(cfg.reward):

@@ -26,9 +26,8 @@ from __future__ import annotations
 import random
 import re
 
-from rollout.datasets import BUILTIN_TASKS
-from rollout.environments import Transition
-from rollout.types import Prompt
+from rollout.builtin_tasks import BUILTIN_TASKS
+from rollout.types import Prompt, Transition
 
 CALL = "?"
 BAD_CALL = ":bad."

@@ -148,3 +148,12 @@ class Generated:
 
     batch: RolloutBatch  # the scored samples, ready to persist
     gen_s: float  # wall seconds the engines spent generating
+
+
+@dataclass(frozen=True)
+class Transition:
+    """An environment's answer to one model turn (``rollout.environments``)."""
+
+    observation: str  # text appended to the context before the next model turn ("" when done)
+    reward: float  # reward of this step (shaping; the outcome reward is rollout.reward's)
+    done: bool  # True: the episode ends with this turn

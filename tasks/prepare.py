@@ -158,7 +158,8 @@ def check_datasets(cfg: RunConfig) -> None:
     eval.dataset when evaluation is on) as its loader will: a bad row found only
     in rollout[k=1] would come after the lease, run.json and v0, and run.json
     would freeze the bad path. Raises ConfigError naming the key, file and line."""
-    from rollout.datasets import BUILTIN_TASKS, DatasetError, load_prompts
+    from rollout.builtin_tasks import BUILTIN_TASKS
+    from rollout.datasets import DatasetError, load_prompts
     from rollout.rewards import LABEL_CHECKS
 
     files = {"rollout.task": cfg.rollout.task}

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from flows.config import ConfigError, load_config
-from rollout.datasets import BUILTIN_TASKS, PromptSource
+from rollout.builtin_tasks import BUILTIN_TASKS
+from rollout.datasets import PromptSource
 from rollout.math_answer import extract_answer, math_reward, reference_answer
 from tasks.prepare import check_run
 
