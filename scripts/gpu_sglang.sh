@@ -9,7 +9,7 @@
 #   bash scripts/gpu_sglang.sh setup     # .devbundle: Ray, Prefect, torch_memory_saver
 #   bash scripts/gpu_sglang.sh sglang    # .sglbundle: SGLang 0.5.17 in /tmp/sgl
 #   bash scripts/gpu_sglang.sh bench     # push beside the seed's, pipeline with SGLang
-#   bash scripts/gpu_sglang.sh test      # pytest -m "gpu and sglang"
+#   bash scripts/gpu_sglang.sh test [-k EXPR]  # pytest -m "gpu and sglang"
 #   bash scripts/gpu_sglang.sh smollm2   # SmolLM2 learning on SGLang (GGUF in .gguf*/)
 #
 # Results go to $OUT (or bench/results when OUT is unset).
@@ -54,12 +54,17 @@ bench)
     grep -h "SGLang ready in" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | tail -4
     ;;
 test)
-    python3 -m pytest -m "gpu and sglang" -p no:cacheprovider -rA --basetemp=/tmp/pt \
+    # Output goes to $OUT/sglang_tests.txt as it comes, so a call cut at its limit keeps
+    # what ran; TESTS_LIMIT_S stops pytest first (default 560 s of a 600 s call).
+    shift
+    timeout -k 10 "${TESTS_LIMIT_S:-560}" python3 -m pytest -m "gpu and sglang" \
+        -p no:cacheprovider -v -rA --basetemp=/tmp/pt "$@" \
         tests/integration/test_sglang_gpu.py tests/engines/test_http_contract.py 2>&1 |
-        grep -v "server_args\|Writing model\|Loading weights" | tail -80
+        grep --line-buffered -v "server_args\|Writing model\|Loading weights" >"$OUT/sglang_tests.txt"
     rc=${PIPESTATUS[0]}
+    grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " "$OUT/sglang_tests.txt" | tail -60
     for f in $(find /tmp/pt -name "*.log" 2>/dev/null); do
-        if grep -q "Traceback\|Error" "$f"; then
+        if grep -q "Traceback" "$f"; then
             echo "== $f"
             grep -v server_args "$f" | grep -B2 -A12 "Traceback" | tail -40
         fi

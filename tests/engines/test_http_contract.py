@@ -29,11 +29,11 @@ SGLANG = pytest.param("sglang", marks=[pytest.mark.gpu, pytest.mark.sglang])
 
 
 @pytest.fixture(scope="module", params=["embedded", SGLANG])
-def server(request, tiny_dir, tiny_v1, broken_dir):
+def server(request, tiny_dir, tiny_v1, broken_dir, tmp_path_factory):
     """The embedded engine's server, or (``-m "gpu and sglang"`` on a CUDA machine with
     ``PREFECT_RL_SGLANG_SITE``) a real SGLang server of the same tiny model."""
     if request.param == "sglang":
-        yield from _sglang_server(tiny_dir)
+        yield from _sglang_server(tiny_dir, tmp_path_factory.mktemp("sglang-logs"))
         return
     # context_length: past the tiny model's 64 positions, for long generations to pause.
     engine = EmbeddedEngine(str(tiny_dir), 0, EngineConfig(context_length=1024), weight_version=0)
@@ -43,7 +43,7 @@ def server(request, tiny_dir, tiny_v1, broken_dir):
     thread.stop()
 
 
-def _sglang_server(tiny_dir):
+def _sglang_server(tiny_dir, log_dir):
     import os
 
     import torch
@@ -57,7 +57,9 @@ def _sglang_server(tiny_dir):
     os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"  # past the 64 positions
     args = ["--attention-backend", "triton", "--sampling-backend", "pytorch"]
     args += ["--disable-cuda-graph", "--context-length", "1024", "--enable-memory-saver"]
-    sc = SGLangConfig(pythonpath=[site], extra_args=args, mem_fraction_static=0.2)
+    sc = SGLangConfig(
+        pythonpath=[site], extra_args=args, mem_fraction_static=0.2, log_dir=str(log_dir)
+    )
     engine = SGLangEngine(str(tiny_dir), 0, EngineConfig(kind="sglang", sglang=sc))
     try:
         yield engine.url
