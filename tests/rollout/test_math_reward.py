@@ -116,3 +116,36 @@ def test_a_gsm8k_row_without_its_answer_is_refused_by_check_run(tmp_path):
             "configs/tiny-cpu.yaml", {**sets, "rollout.task": bad, "rollout.reward": "exact"}
         )
     )
+
+
+def test_a_gsm8k_parquet_file_reads_as_its_jsonl_twin_and_names_a_bad_row(tmp_path):
+    """GSM8K as HF ships it (Parquet, ``question`` / ``answer``): the same prompts and
+    labels as the JSONL file, and a row without ``#### N`` refused by its row number."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def parquet(path: Path, rows: list[dict]) -> str:
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        return str(path)
+
+    sets = {
+        "storage.root": str(tmp_path / "runs"),
+        "rollout.input_key": "question",
+        "rollout.label_key": "answer",
+        "rollout.reward": "math",
+    }
+    files = (_gsm8k(tmp_path / "g.jsonl", GSM8K_ROWS), parquet(tmp_path / "g.parquet", GSM8K_ROWS))
+    read = []
+    for f in files:
+        cfg = load_config("configs/tiny-cpu.yaml", {**sets, "rollout.task": f})
+        assert check_run(cfg)
+        read.append(
+            [(p.text, p.label) for p in PromptSource(cfg.rollout, seed=0).prompts(range(2))]
+        )
+    assert read[0] == read[1] and {math_reward("42", label) for _, label in read[1]} == {0.0, 1.0}
+    bad = parquet(
+        tmp_path / "bad.parquet", [*GSM8K_ROWS, {"question": "How many?", "answer": "7?"}]
+    )
+    with pytest.raises(ConfigError) as e:
+        check_run(load_config("configs/tiny-cpu.yaml", {**sets, "rollout.task": bad}))
+    assert f"{bad}: row 3: key 'answer'" in str(e.value) and "'#### <number>'" in str(e.value)
