@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollout.config import RolloutConfig
+from rollout.datasets import encode_observation
 from rollout.environments import Environment, make_environment
 from rollout.failures import (
     EngineUnavailable,
@@ -97,8 +98,9 @@ class _Run:
     sampling: dict[str, Any]
     last_progress: float = field(default_factory=time.monotonic)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def encode(self, text: str, ended: bool) -> list[int]:
+        """An observation's tokens after a model turn (``ended``: it stopped at eos)."""
+        return encode_observation(self.tokenizer, text, self.cfg.chat_template, ended)
 
     def generate(self, engine: int, rows: list[_Episode], turn: int) -> list[dict[str, Any]]:
         params = [
@@ -142,8 +144,9 @@ class _Run:
         e.reward += step.reward
         e.done = step.done or turn + 1 >= self.cfg.max_turns
         if not e.done and step.observation:
+            ended = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
             e.turns.append(
-                Turn(role="tool", ids=self.encode(step.observation), text=step.observation)
+                Turn(role="tool", ids=self.encode(step.observation, ended), text=step.observation)
             )
 
 

@@ -196,6 +196,32 @@ def encode_prompt(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
+def encode_observation(tokenizer: Any, text: str, chat_template: bool, ended: bool) -> list[int]:
+    """Token ids that follow a model turn in a multi-turn episode: the environment's
+    ``text`` as is, or with ``chat_template`` as the next user turn of the template,
+    ending in the assistant's generation prompt. The model's turn stopped at the
+    template's end token (``ended``) or is closed with it here. The template is
+    rendered for a conversation one turn shorter and one longer, and the tokens are
+    the difference after the end token: what the template writes between turns."""
+    if not chat_template:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    eos = tokenizer.eos_token
+    before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    short = tokenizer.apply_chat_template(before, tokenize=False)
+    long = tokenizer.apply_chat_template(
+        [*before, {"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    cut = short.rfind(eos) if eos else -1
+    if cut < 0 or not long.startswith(short[: cut + len(eos)]):
+        raise DatasetError(
+            f"the chat template of {tokenizer.name_or_path!r} does not end a turn with its eos "
+            f"token {eos!r}, or renders earlier turns differently once one follows; multi-turn "
+            "episodes need both: set rollout.chat_template: false"
+        )
+    ids = list(tokenizer(long[cut + len(eos) :], add_special_tokens=False)["input_ids"])
+    return ids if ended else [tokenizer.eos_token_id, *ids]
+
+
 class PromptSource:
     """Gives the prompts of iteration k (1-based) for one run."""
 

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollout.config import RolloutConfig
-from rollout.datasets import DatasetError, PromptSource, encode_prompt
+from rollout.datasets import DatasetError, PromptSource, encode_observation, encode_prompt
 from rollout.procedure import generate_batch
 from training.tiny_model import build_tokenizer
 
@@ -148,3 +148,45 @@ def test_dotted_keys_reach_nested_fields_in_both_formats(tmp_path):
         match=r"d.jsonl:1: missing key 'reward_model.ground_truth' \('ground_truth' not in reward_model, which has \['style'\]\)",
     ):
         PromptSource(cfg, seed=0)
+
+
+# A ChatML-like template over the tiny vocabulary: <bos> opens a turn (role letter,
+# then ':'), <eos> closes it, and '=' separates turns as ChatML's newline does.
+TURNS = (
+    "{% for m in messages %}<bos>{{ m['role'][0] }}:{{ m['content'] }}<eos>={% endfor %}"
+    "{% if add_generation_prompt %}<bos>a:{% endif %}"
+)
+
+
+def test_an_observation_in_a_chat_episode_is_the_next_user_turn():
+    """Multi-turn with rollout.chat_template: after a model turn that stopped at the
+    template's end token, the environment's text arrives as the template's next user
+    turn and ends in the generation prompt: the context equals the template's own
+    rendering of the whole conversation. A turn cut short is closed first."""
+    tok = build_tokenizer()
+    tok.chat_template = TURNS
+    prompt = encode_prompt(tok, "12", chat_template=True)
+    model = tok("?1+2", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    obs = encode_observation(tok, ":3.", chat_template=True, ended=True)
+    whole = tok.apply_chat_template(
+        [
+            {"role": "user", "content": "12"},
+            {"role": "assistant", "content": "?1+2"},
+            {"role": "user", "content": ":3."},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert prompt + model + obs == tok(whole, add_special_tokens=False)["input_ids"]
+    cut = encode_observation(tok, ":3.", chat_template=True, ended=False)
+    assert cut == [tok.eos_token_id, *obs]
+    # Without the template the text goes in as it is (the calculator's ':3.').
+    plain = encode_observation(tok, ":3.", chat_template=False, ended=True)
+    assert plain == tok(":3.", add_special_tokens=False)["input_ids"]
+
+
+def test_a_template_that_does_not_close_turns_with_eos_is_refused_for_episodes():
+    tok = build_tokenizer()
+    tok.chat_template = TEMPLATE  # no <eos> between turns
+    with pytest.raises(DatasetError, match="does not end a turn with its eos"):
+        encode_observation(tok, ":3.", chat_template=True, ended=True)
