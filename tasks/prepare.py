@@ -177,18 +177,21 @@ def check_datasets(cfg: RunConfig) -> None:
 
 
 def check_chat_template(cfg: RunConfig, path: str) -> None:
-    """With rollout.chat_template, render a prompt through the base model's template
-    as rollout does: a tokenizer without one, or a template that does not render,
-    would otherwise fail rollout[k=1] after the lease and v0."""
+    """With rollout.chat_template, render a prompt (and in multi-turn episodes an
+    observation) through the base model's template as rollout does: a tokenizer
+    without one, or a template that does not render, would otherwise fail
+    rollout[k=1] after the lease and v0."""
     if not cfg.rollout.chat_template:
         return
     from transformers import AutoTokenizer  # only here: seconds of import a plain run skips
 
-    from rollout.datasets import encode_prompt
+    from rollout.datasets import encode_observation, encode_prompt
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         encode_prompt(tokenizer, "What is 2 + 3?", chat_template=True)
+        if cfg.rollout.environment != "none":  # episodes render the turns after the first
+            encode_observation(tokenizer, ":5.", chat_template=True, ended=True)
     except Exception as e:  # jinja's TemplateError, DatasetError, a tokenizer that won't load
         raise ConfigError(
             f"rollout.chat_template is on, but the chat template of {path} does not render "
