@@ -90,7 +90,9 @@ def test_a_crashed_and_resumed_run_is_byte_identical(ray_cluster, tmp_path, name
         {k: v for k, v in r.items() if k.startswith("eval_")}
         for r in reference.store.read_metrics()
     ]
-    assert [bool(e) for e in evals] == [False, False, True, False, False, True]
+    # Row 1: the base model's scores (eval.before_training); then every 3rd and the last.
+    assert [bool(e) for e in evals] == [True, False, True, False, False, True]
+    assert all(k.startswith("eval_base_") for k in evals[0])
     assert any(v for e in evals for k, v in e.items() if k != "eval_k")
     if name == "ppo":  # the critic's own checkpoints, beside the policy's
         critic = CriticStore(ctx.cfg.storage, ctx.run_name)
