@@ -227,8 +227,9 @@ class TrainActor(DurableState):
     def _reference_logprobs(self, mbs: list) -> tuple[list, list]:
         """Old logprobs and reference logprobs (when the KL term is on); no autograd graph.
 
-        On-policy (``rollout.max_staleness: 0``) the old logprobs come from the
-        current weights, which generated the batch, so the ratio starts at 1.
+        On-policy (``rollout.max_staleness: 0``) the old logprobs are the current
+        weights', which generated the batch, so the ratio starts at 1: ``None``
+        here, and the training forward's own, detached, in ``_accumulate``.
         Off-policy they are the engines' own logprobs: the batch came from an
         older version than the trainer holds, and the ratio must correct for
         that (as slime's async training, verl's one-step-off-policy and prime-rl do).
@@ -236,20 +237,26 @@ class TrainActor(DurableState):
         cases, and the correction's weights exp(trainer - engine) carry the rest
         (AReaL's decoupled PPO: the staleness as well as the kernels' mismatch).
         """
-        old, ref = [], []
+        old: list = []
+        ref: list = []
         packed = self.cfg.pack_sequences
         corrected = self.cfg.loss.rollout_correction.kind != "none"
         behaviour = self.sections.rollout.max_staleness > 0 and not corrected
+        if not behaviour:
+            # The step's weights themselves: one optimizer step per batch, so they are
+            # what the training forward computes (``_accumulate`` detaches it), and a
+            # forward pass of its own would only repeat it (a quarter of a CPU step).
+            old = [None] * len(mbs)
+        if self.ref_model is None and not behaviour:
+            return old, ref
         self.model.eval()
         with torch.no_grad():
             for mb in mbs:
                 mb = self._to_device(mb)
-                ids, am = mb.input_ids, mb.attention_mask
                 if behaviour:
                     old.append(mb.rollout_logprobs)
-                else:
-                    old.append(bt.token_logprobs(self.model, ids, am, packed=packed)[0])
                 if self.ref_model is not None:
+                    ids, am = mb.input_ids, mb.attention_mask
                     ref.append(bt.token_logprobs(self.ref_model, ids, am, packed=packed)[0])
         return old, ref
 
@@ -277,7 +284,7 @@ class TrainActor(DurableState):
             loss, m = policy_loss(
                 lc,
                 lp,
-                old[i],
+                lp.detach() if old[i] is None else old[i],
                 mb.advantages,
                 mb.loss_mask,
                 ref_logprobs=ref[i] if ref else None,
