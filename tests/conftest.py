@@ -107,6 +107,8 @@ LONGEST_FILES = [
     "tests/integration/test_colocate.py",  # 238
     "tests/integration/test_security.py",  # 226
     "tests/e2e/test_agentic.py",  # 148
+    "tests/integration/test_evaluate_versions.py",  # ~120 (two engines, Ray task workers)
+    "tests/integration/test_s3_run.py",  # ~80 (delta off and on)
 ]
 
 
