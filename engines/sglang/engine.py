@@ -29,7 +29,7 @@ import ray
 from engines.actor_options import CONTROL_CONCURRENCY, CONTROL_GROUP, GENERATE_CONCURRENCY
 from engines.client import EngineClient, EngineHTTPError
 from engines.config import EngineConfig
-from engines.sglang.folder_check import refusal, tensor_shapes
+from engines.sglang.folder_check import refusal, start_shapes
 from engines.sglang.server import SGLangServer
 from engines.types import GenerateResult, PauseMode, UpdateWeightsResult
 
@@ -58,7 +58,7 @@ class SGLangEngine:
     ) -> None:
         self.engine_id = engine_id
         self._cfg = cfg
-        self._start_shapes = tensor_shapes(model_path)  # what every reload must hold
+        self._start_shapes = start_shapes(model_path)  # what every reload must hold
         api_key = os.environ.get(cfg.api_key_env) or None
         self._server = SGLangServer(
             model_path, engine_id, cfg.sglang, cfg.tp_size, weight_version, api_key

@@ -44,9 +44,20 @@ def tensor_shapes(folder: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def refusal(folder: str, start: dict[str, tuple[int, ...]]) -> str | None:
+def start_shapes(folder: str) -> dict[str, tuple[int, ...]] | None:
+    """The tensors reloads are checked against: those of the folder the server starts
+    from; None when it holds no safetensors (a ``.bin`` checkpoint SGLang reads
+    itself: its reloads go unchecked)."""
+    if not any(n.endswith(".safetensors") for n in os.listdir(folder)):
+        return None
+    return tensor_shapes(folder)
+
+
+def refusal(folder: str, start: dict[str, tuple[int, ...]] | None) -> str | None:
     """Why the server must not load ``folder`` (None: it may): tensors of the start
     folder that it lacks, or holds in another shape."""
+    if start is None:
+        return None
     try:
         got = tensor_shapes(folder)
     except (OSError, ValueError) as e:
