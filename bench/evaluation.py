@@ -44,7 +44,9 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 
-def _publish_perturbed(ctx, v: int, work: Path) -> None:
+def publish_perturbed(ctx, v: int, work: Path) -> None:
+    """Commit version v of the run as v0's weights plus seeded noise (no training: an
+    evaluation takes any committed version); ``work`` holds the new weights file."""
     src = ctx.store.local_version_dir(0)
     work.mkdir(parents=True)
     gen = torch.Generator().manual_seed(v)
@@ -115,7 +117,7 @@ def main() -> None:
     rows, warmed = [], False
     with prefect_test_harness(server_startup_timeout=120):
         ctx = prepare_run(cfg)
-        _publish_perturbed(ctx, 1, tmp / "v1")
+        publish_perturbed(ctx, 1, tmp / "v1")
         run_lease.release(ctx)  # stops the renewals prepare_run started, then releases
         versions, prompts = [0, 1], args.size * 2
         base_s = _baseline(ctx, args.size, args.n_samples, versions)

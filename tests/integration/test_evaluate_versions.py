@@ -14,8 +14,6 @@ from __future__ import annotations
 import uuid
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from tests.integration.eval_rewards import FAULTS, marker
 
@@ -26,6 +24,7 @@ SIZE, SHARD, N = 8, 2, 2  # 8 prompts in 4 shards, pass@2
 def eval_run(ray_cluster, tmp_path_factory):
     """A tiny run with v0 (prepare_run) and v1, v2 published as perturbed copies of
     it (no training: what is evaluated is any committed version); no lease held."""
+    from bench.evaluation import publish_perturbed
     from flows.config import load_config
     from tasks import lease as run_lease
     from tasks.prepare import prepare_run
@@ -47,25 +46,9 @@ def eval_run(ray_cluster, tmp_path_factory):
     }
     ctx = prepare_run(load_config(config, over))
     for v in (1, 2):
-        _publish_perturbed(ctx, v, tmp / f"v{v}")
+        publish_perturbed(ctx, v, tmp / f"v{v}")
     run_lease.release(ctx)  # stops the renewals prepare_run started, then releases
     return ctx
-
-
-def _publish_perturbed(ctx, v: int, work) -> None:
-    src = ctx.store.local_version_dir(0)
-    work.mkdir()
-    gen = torch.Generator().manual_seed(v)
-    tensors = load_file(f"{src}/model.safetensors")
-    noisy = {
-        k: t + 0.05 * torch.randn(t.shape, generator=gen).to(t.dtype) for k, t in tensors.items()
-    }
-    save_file(noisy, str(work / "model.safetensors"), metadata={"format": "pt"})
-    writer = ctx.store.weights_writer(v, v, v - 1)
-    for f in ctx.store.read_manifest(0).files:
-        path = work / f.name if f.name == "model.safetensors" else f"{src}/{f.name}"
-        writer.add_file(f.name, str(path))
-    writer.commit()
 
 
 def _params(ctx, **extra):
