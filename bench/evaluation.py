@@ -66,7 +66,7 @@ def _baseline(ctx, size: int, n: int, versions: list[int]) -> float:
     """Seconds of rollout.evaluation.evaluate of ``versions`` on one started engine."""
     from engines.group import EngineGroup
     from rollout.evaluation import EvalConfig, evaluate
-    from tasks.engines import _disk_reload
+    from tasks.engines import disk_reload
 
     group = EngineGroup(f"{ctx.run_name}/bench-base", ctx.cfg.engines, ctx.cfg.ray.namespace)
     group.start(ctx.store.local_version_dir(versions[0]), versions[0])
@@ -75,7 +75,7 @@ def _baseline(ctx, size: int, n: int, versions: list[int]) -> float:
     try:
         for v in versions:
             if v != versions[0]:
-                _disk_reload(ctx, group, 0, v, ctx.store.local_version_dir(v))
+                disk_reload(ctx, group, 0, v, ctx.store.local_version_dir(v))
             evaluate(
                 ev, ctx.cfg.rollout, ctx.cfg.run.seed, v, v, ctx.tokenizer(),
                 group.generate_groups, lambda i: None,

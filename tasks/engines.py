@@ -260,7 +260,7 @@ def ensure_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool 
 
 def disk_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool = False) -> Served:
     """Disk and object-store transports: restart a dead engine on v, else pause,
-    /update_weights_from_disk, continue (see ``_disk_reload``)."""
+    /update_weights_from_disk, continue (see ``disk_reload``)."""
     weights = engine_weights(ctx, group, engine_id, v)
     # Trainer asleep before the engine wakes; the health check below runs a forward.
     memory = colocate.for_update(ctx, engine_id, push=False)
@@ -270,7 +270,7 @@ def disk_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool = 
         group.restart(engine_id, weights.path, v)
         memory = colocate.for_update(ctx, engine_id, push=False)  # the new one's state
     elif force_reload or served_version(ctx, group, engine_id) != str(v):
-        _disk_reload(ctx, group, engine_id, v, weights.path)
+        disk_reload(ctx, group, engine_id, v, weights.path)
     ctx.store.record_serving(engine_id, v)
     return Served(memory, weights.pull)
 
@@ -298,7 +298,7 @@ def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) 
         trainer = ctx.trainer()
         if v in committed and trainer.iteration() != v:
             memory = colocate.for_update(ctx, engine_id, push=False)
-            _disk_reload(ctx, group, engine_id, v, engine_weights(ctx, group, engine_id, v).path)
+            disk_reload(ctx, group, engine_id, v, engine_weights(ctx, group, engine_id, v).path)
         else:
             trainer.ensure_state(v, ctx.base_model_path)
             # Both sides hold the weights while they move; re-created ranks start awake.
@@ -313,7 +313,7 @@ def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) 
     return Served(memory, push=push)
 
 
-def _disk_reload(ctx, group, engine_id: int, v: int, path: str) -> None:
+def disk_reload(ctx, group, engine_id: int, v: int, path: str) -> None:
     """Pause, /update_weights_from_disk of ``path`` on the engine's node (flushing every
     flush_cache_interval versions), continue."""
     flush = v % ctx.cfg.weights.flush_cache_interval == 0

@@ -17,7 +17,7 @@ from typing import Any
 
 from engines.group import EngineGroup
 from rollout.sharded_eval import ShardScore, score_shard
-from tasks.engines import _disk_reload, engine_weights, served_version
+from tasks.engines import disk_reload, engine_weights, served_version
 from tasks.eval_plan import EvalPlan
 from tasks.rollout_services import rollout_io
 from tasks.verify import check_serves
@@ -47,7 +47,7 @@ def serve_version(plan: EvalPlan, engine_id: int, version: int) -> dict[str, Any
         group.restart(engine_id, weights.path, version)
         how = "started"
     elif served_version(ctx, group, engine_id) != str(version):
-        _disk_reload(ctx, group, engine_id, version, weights.path)
+        disk_reload(ctx, group, engine_id, version, weights.path)
         how = "reloaded"
     else:
         how = "already served"
