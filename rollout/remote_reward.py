@@ -261,7 +261,10 @@ def _post_once(url: str, cfg: RemoteRewardConfig, data: bytes, headers: dict[str
         elif not 300 <= status < 400:
             raw = resp.read1(ERROR_DETAIL_BYTES)  # enough for the message
     except (OSError, http.client.HTTPException) as e:
-        raise _Retry(timeout if deadline.expired else f"unreachable ({e})") from None
+        # The socket's own timeout (timeout_s per read) can fire a hair before the
+        # deadline's timer of the same length: either way no answer came in time.
+        late = deadline.expired or isinstance(e, TimeoutError)
+        raise _Retry(timeout if late else f"unreachable ({e})") from None
     finally:
         deadline.finish()
         if resp is not None:  # it holds the socket open after conn.close()
