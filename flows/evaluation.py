@@ -28,10 +28,12 @@ reloads each engine once per version (a reload is seconds; a version's shards
 are minutes at scale). Shards of a version run concurrently, so with shards >=
 engines every engine always has a call queued.
 
-Reuse: a shard's result is cached under (run, version and its manifest, dataset
-digest, shard, settings) in the run's ``prefect-results``; a rerun with the same
-parameters shows finished shards as Cached, loads only the versions that still
-have shards to score, and starts no engine when none has. Never takes the
+Reuse: a shard's result is cached in the run's ``prefect-results`` under (run,
+version and its manifest, the evaluated prompts' digest, shard, and the settings
+its numbers depend on: sampling, reward, engine kind and count, batch, dtype); a
+rerun with the same parameters shows finished shards as Cached, loads only the
+versions that still have shards to score, and starts no engine when none has; a
+rerun that changes any of them (another engine count) scores anew. Never takes the
 run's lease and never writes into its versions, ledger or serving records.
 """
 
@@ -55,7 +57,7 @@ from rollout.sharded_eval import ShardScore, version_scores
 from tasks import eval_engines, eval_record
 from tasks.cluster import connect_ray
 from tasks.context import RunContext
-from tasks.eval_plan import VERSIONS_HELP, EvalPlan, EvalSettings, make_plan, select_versions
+from tasks.eval_plan import VERSIONS_HELP, EvalPlan, eval_settings, make_plan, select_versions
 from tasks.eval_shards import evaluate_shard, load_version
 
 
@@ -143,16 +145,7 @@ def plan_evaluation(params: EvaluateParams) -> EvalPlan:
         }
     )
     ctx = RunContext(cfg=cfg, base_model_path=ctx.base_model_path)
-    settings = EvalSettings(
-        n_samples=params.n_samples,
-        temperature=params.temperature,
-        top_p=cfg.rollout.top_p,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        pass_threshold=cfg.eval.pass_threshold,
-        seed=cfg.run.seed,
-        reward=cfg.rollout.reward,
-        chat_template=cfg.rollout.chat_template,
-    )
+    settings = eval_settings(cfg, params.n_samples, params.temperature)
     dataset = params.dataset or cfg.eval.dataset or cfg.rollout.task
     return make_plan(ctx, versions, dataset, params.size, params.shard_size, settings)
 

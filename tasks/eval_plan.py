@@ -4,8 +4,8 @@ Owns the version selection (``select_versions``: a list ``1,3,5``, a range
 ``2..6``, ``newest 3``, or ``all``), the check that each selected version is
 committed (a manifest that reads) and the ``EvalPlan``: the evaluated prompts
 split into shards, the engines' own group, and the identity of every shard's
-result (``shard_key``: run, version and its manifest, dataset digest, shard,
-generation settings). Reading only: it never writes into the run, takes no
+result (``shard_key``: run, version and its manifest, the evaluated prompts'
+content digest, shard, and ``EvalSettings``: sampling, reward and the engines). Reading only: it never writes into the run, takes no
 lease and starts nothing. No Prefect.
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 from rollout.evaluation import EvalConfig, eval_prompts
 from rollout.sharded_eval import prompts_digest, split
 from rollout.types import Prompt
+from tasks.config import RunConfig
 from tasks.context import RunContext
 
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
@@ -71,7 +72,9 @@ def select_versions(spec: str, committed: list[int], run: str) -> list[int]:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """What a shard's numbers depend on besides the weights and the prompts."""
+    """What a shard's numbers depend on besides the weights and the prompts: its cache
+    key holds the digest of all of it, so a rerun that changes any of these scores
+    anew instead of reusing shards whose numbers could differ."""
 
     n_samples: int  # sampled answers per prompt (pass@k's k)
     temperature: float  # the sampled round's temperature
@@ -81,10 +84,42 @@ class EvalSettings:
     seed: int  # run.seed: sampling seeds are (seed, version, prompt, j)
     reward: str  # rollout.reward of the run
     chat_template: bool  # rollout.chat_template of the run
+    # The engines: which rows decode together (count, batch, tensor parallel), the
+    # engine's kernels and the precision change a row's logits, so its sampled tokens.
+    engine_kind: str  # engines.kind: embedded or sglang
+    num_engines: int  # a shard's prompt g goes to engine g % num_engines
+    max_batch_size: int  # engines.max_batch_size: rows decoded together
+    tp_size: int  # engines.tp_size
+    torch_threads: int  # engines.torch_threads: a CPU matmul's reduction order
+    model_dtype: str  # model.dtype of the run
+    engine_args: tuple[str, ...]  # SGLang's extra_args (its backends), () for embedded
 
     def digest(self) -> str:
         blob = json.dumps(self.__dict__, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
+
+
+def eval_settings(cfg: RunConfig, n_samples: int, temperature: float) -> EvalSettings:
+    """The settings of an evaluation of ``cfg``'s run (its engines already the
+    evaluation's: ``num_engines`` and kind as it starts them)."""
+    e, r = cfg.engines, cfg.rollout
+    return EvalSettings(
+        n_samples=n_samples,
+        temperature=temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        pass_threshold=cfg.eval.pass_threshold,
+        seed=cfg.run.seed,
+        reward=r.reward,
+        chat_template=r.chat_template,
+        engine_kind=e.kind,
+        num_engines=e.num_engines,
+        max_batch_size=e.max_batch_size,
+        tp_size=e.tp_size,
+        torch_threads=e.torch_threads,
+        model_dtype=cfg.model.dtype,
+        engine_args=tuple(e.sglang.extra_args) if e.kind == "sglang" else (),
+    )
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ Both run on prefect-ray's ``RayTaskRunner`` (``flows.evaluation``), i.e. as Ray
 tasks on the cluster: ``load_version`` asks for no CPU (it waits on an engine),
 ``evaluate_shard`` for ``shard_cpus`` CPUs and never a GPU (the engines hold the
 GPUs; scoring is CPU work). A shard's result is persisted and cached under
-``EvalPlan.shard_key`` (run, version and its manifest, dataset digest, shard,
-settings), so a rerun with the same parameters shows finished shards as Cached
+``EvalPlan.shard_key`` (run, version and its manifest, prompts' digest, shard,
+``EvalSettings``: sampling, reward, engines), so a rerun with the same parameters shows finished shards as Cached
 and runs only the rest; a failed shard is retried alone (``retries``). The work
 is ``tasks.eval_engines``; this module only wraps it.
 """
