@@ -45,13 +45,23 @@ sglang)
     PYTHONPATH=$SITE python3 -c "import sglang; print('sglang', sglang.__version__)"
     ;;
 bench)
-    python3 -m bench.sglang_push --sglang "$SITE" --out "$OUT/sglang_push_cuda.json" 2>&1 |
-        grep -v "server_args\|Writing model\|Loading weights"
+    # BENCH_PUSH=1 adds the push beside the seed's (bench.sglang_push, ~60 s).
+    if [ "${BENCH_PUSH:-0}" = 1 ]; then
+        python3 -m bench.sglang_push --sglang "$SITE" --out "$OUT/sglang_push_cuda.json" 2>&1 |
+            grep -v "server_args\|Writing model\|Loading weights"
+    fi
     with_site configs/gpu-0.5b-sglang.yaml /tmp/gpu-0.5b-sglang.yaml
-    python3 -m bench.pipeline --config /tmp/gpu-0.5b-sglang.yaml --iterations 8 \
+    # Staleness 0 and 1 as the config ships (issue 32's goals), then 2 and 4 with TIS
+    # (issue 34's: the wall beside max(rollout, train), learning per wall second).
+    python3 -m bench.pipeline --config /tmp/gpu-0.5b-sglang.yaml --iterations 12 \
         --staleness 0 1 --set run.save_interval=5 --out "$OUT/pipeline_sglang_cuda.json" 2>&1 |
-        grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tail -30
-    grep -h "SGLang ready in" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | tail -4
+        grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tail -12
+    python3 -m bench.pipeline --config /tmp/gpu-0.5b-sglang.yaml --iterations 16 \
+        --staleness 2 4 --set run.save_interval=5 --set train.loss.rollout_correction.kind=tis \
+        --out "$OUT/pipeline_sglang_tis_cuda.json" 2>&1 |
+        grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tail -12
+    grep -h "SGLang ready in" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | tail -6
+    python3 scripts/sglang_start_phases.py "${TMPDIR:-/tmp}"/prefect-rl-sglang-* 2>/dev/null | tail -30
     ;;
 test)
     # Output goes to $OUT/sglang_tests.txt as it comes, so a call cut at its limit keeps
@@ -59,7 +69,7 @@ test)
     shift
     timeout -k 10 "${TESTS_LIMIT_S:-560}" python3 -m pytest -m "gpu and sglang" \
         -p no:cacheprovider -v -rA --basetemp=/tmp/pt "$@" \
-        tests/integration/test_sglang_gpu.py tests/engines/test_http_contract.py 2>&1 |
+        tests/engines/test_http_contract.py tests/integration/test_sglang_gpu.py 2>&1 |
         grep --line-buffered -v "server_args\|Writing model\|Loading weights" >"$OUT/sglang_tests.txt"
     rc=${PIPESTATUS[0]}
     grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " "$OUT/sglang_tests.txt" | tail -60
@@ -69,6 +79,7 @@ test)
             grep -v server_args "$f" | grep -B2 -A12 "Traceback" | tail -40
         fi
     done
+    python3 scripts/sglang_start_phases.py /tmp/pt | tee -a "$OUT/sglang_tests.txt" | tail -40
     exit "$rc"
     ;;
 smollm2)

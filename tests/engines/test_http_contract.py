@@ -56,7 +56,8 @@ def _sglang_server(tiny_dir, log_dir):
         pytest.skip("needs CUDA and PREFECT_RL_SGLANG_SITE")
     os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"  # past the 64 positions
     args = ["--attention-backend", "triton", "--sampling-backend", "pytorch"]
-    args += ["--disable-cuda-graph", "--context-length", "1024", "--enable-memory-saver"]
+    args += ["--disable-cuda-graph", "--skip-server-warmup", "--context-length", "1024"]
+    args += ["--enable-memory-saver"]
     sc = SGLangConfig(
         pythonpath=[site], extra_args=args, mem_fraction_static=0.2, log_dir=str(log_dir)
     )

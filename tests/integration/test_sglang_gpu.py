@@ -31,9 +31,11 @@ if not torch.cuda.is_available() or not SITE:
     pytest.skip("needs CUDA and PREFECT_RL_SGLANG_SITE", allow_module_level=True)
 
 # The trimmed kernel package of the test machine needs these backends; CUDA graphs
-# are off in tests (their capture is most of a start; the benches keep them).
+# are off in tests (their capture is most of a start; the benches keep them), and so
+# is the server's warmup request (a second's sleep and a generate: the engine's own
+# readiness check generates anyway).
 SGLANG_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch"]
-TEST_ARGS = [*SGLANG_ARGS, "--disable-cuda-graph"]
+TEST_ARGS = [*SGLANG_ARGS, "--disable-cuda-graph", "--skip-server-warmup"]
 PROBE = [1, 5, 9, 12, 7, 20, 2, 8]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 
