@@ -309,8 +309,11 @@ def send_streamed(
         try:
             mine = None
             if gather.producer:
-                if on_gpu:  # the engine reads the flats from its own stream
+                if on_gpu and wire != "sglang":  # the engine reads the flats on its stream
                     torch.cuda.current_stream().synchronize()
+                # SGLang needs no wait here: torch's CUDA IPC reduction records an event
+                # on this stream as it pickles, and the server's rebuild waits on it, so
+                # pickling and the post overlap the flatten's copy (as the seed's push).
                 if wire == "sglang":
                     mine = _sglang_payload(flats, on_gpu)
                 else:

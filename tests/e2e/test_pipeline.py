@@ -4,8 +4,8 @@ so a run that fails at every step, or whose flow process is SIGKILLed while a
 batch made ahead and train[k] both run, ends byte-identical to an uninterrupted
 run. Staleness 1 runs the whole matrix here; staleness 2 with partial rollouts
 (``rollout.partial``) runs its version split, a replayed step and a SIGKILL beside
-training in CI, and its whole matrix (and staleness 1's SIGKILL beside training)
-when ``PREFECT_RL_FULL_MATRIX=1``."""
+training in CI, and its whole matrix (and staleness 1's SIGKILL beside training, and
+staleness 4's SIGKILL at every step) when ``PREFECT_RL_FULL_MATRIX=1``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 
 
 PARTIAL = {"rollout.max_staleness": 2, "rollout.partial": True}
+STALE4 = {"rollout.max_staleness": 4}
 # Partial rollouts add a step: its faults hit heads and continuations of batches made ahead
 # (batch j > 2 is split: head on v(j-3), the rest on v(j-2), made in iteration j-2).
 PARTIAL_PLAN = {**PLAN, "rollout": 5, "rollout_head": 4}
@@ -91,6 +92,17 @@ def partial_reference(ray_cluster, tmp_path_factory) -> dict[str, str]:
         ctx.trainer().shutdown()
         ctx.engines().shutdown()
     return final_weights(store)
+
+
+@pytest.fixture(scope="module")
+def stale4_reference(ray_cluster, tmp_path_factory) -> dict[str, str]:
+    """Staleness 4, uninterrupted: batch k from v(k-5) (v0 for the first five)."""
+    over = pipelined(tmp_path_factory.mktemp("stale4-ref"), "stale4-ref", mode=STALE4)
+    ctx, _, _ = run_plain(load_config(BASE, over), quiet=True)
+    for k in range(1, ITERATIONS + 1):
+        versions = {s["weight_version"] for s in ctx.store.read_rollouts(k)["samples"]}
+        assert versions == {max(k - 5, 0)}, (k, versions)
+    return final_weights(ctx.store)
 
 
 def test_partial_rollouts_carry_two_versions_and_replay_identically(partial_reference):
@@ -190,14 +202,21 @@ def test_partial_run_heals_every_step_byte_identical(
 
 
 @FULL_MATRIX
-def test_partial_run_resumes_byte_identical_after_a_sigkill_at_every_step(
-    ray_cluster, prefect_api, partial_reference, tmp_path
+@pytest.mark.parametrize(
+    ("mode", "plan", "reference"),
+    [(PARTIAL, PARTIAL_PLAN, "partial_reference"), (STALE4, PLAN, "stale4_reference")],
+    ids=["staleness2-partial", "staleness4"],
+)
+def test_run_made_ahead_resumes_byte_identical_after_a_sigkill_at_every_step(
+    ray_cluster, prefect_api, request, tmp_path, mode, plan, reference
 ):
-    """Staleness 2, partial: each step's SIGKILL of the flow process, then a rerun."""
+    """Staleness 2 with partial rollouts, and staleness 4 (four batches made ahead): each
+    step's SIGKILL of the flow process, then a rerun."""
     from engines.group import EngineGroup
 
-    faults = [{"step": s, "iteration": k, "kind": "sigkill"} for s, k in PARTIAL_PLAN.items()]
-    over = pipelined(tmp_path, "partial-sigkill-all", faults, PARTIAL)
+    expected = request.getfixturevalue(reference)
+    faults = [{"step": s, "iteration": k, "kind": "sigkill"} for s, k in plan.items()]
+    over = pipelined(tmp_path, "ahead-sigkill-all", faults, mode)
     over["ray.address"] = ray_cluster.get_runtime_context().gcs_address
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     codes = []
@@ -209,7 +228,7 @@ def test_partial_run_resumes_byte_identical_after_a_sigkill_at_every_step(
             break
     assert codes == [-9] * len(faults) + [0], codes
     store = store_of(over)
-    assert final_weights(store) == partial_reference
+    assert final_weights(store) == expected
     assert_records_complete(store)
     cfg = load_config(BASE, over)
     EngineGroup(cfg.run.name, cfg.engines, namespace=cfg.ray.namespace).shutdown()
