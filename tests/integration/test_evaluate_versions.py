@@ -2,8 +2,9 @@
 versions of a tiny run, four shards on prefect-ray's RayTaskRunner, two engines of
 its own; the numbers equal a single-process evaluation (``rollout.evaluation``
 with an engine in this process); a shard whose reward fails is retried alone; a
-rerun reuses every shard and starts no engine; a version that does not exist is
-refused before any engine starts.
+rerun reuses every shard and starts no engine; the run's tracker (TensorBoard)
+gets each version's numbers; a version that does not exist is refused before any
+engine starts.
 
 The run's engines decode one row at a time (engines.max_batch_size 1): on CPU a
 row's numbers change in their last bits with what it is batched with, and the
@@ -43,6 +44,7 @@ def eval_run(ray_cluster, tmp_path_factory):
         "engines.max_batch_size": 1,
         "eval.pass_threshold": 0.5,  # about half the answers pass (eval_rewards)
         "rollout.max_new_tokens": 4,
+        "tracking.tensorboard.enabled": True,  # the run's tracker: the evaluation logs to it
     }
     ctx = prepare_run(load_config(config, over))
     for v in (1, 2):
@@ -93,6 +95,15 @@ def _single_process(ctx, v: int) -> dict:
     ev = EvalConfig(dataset="reverse", size=SIZE, n_samples=N, pass_threshold=0.5)
     rollout = cfg.rollout.model_copy(update={"temperature": 1.0})
     return evaluate(ev, rollout, cfg.run.seed, v, v, ctx.tokenizer(), generate_groups, None)
+
+
+def _tensorboard(ctx, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of ``tag`` in the run's TensorBoard event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folder = f"{ctx.cfg.storage.root}/{ctx.run_name}/tensorboard"
+    acc = EventAccumulator(folder, purge_orphaned_data=False).Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
 def _task_runs(flow_run_id) -> dict[str, object]:
@@ -153,6 +164,9 @@ def test_two_versions_in_shards_equal_one_process_and_a_failed_shard_is_retried_
 
     record = ctx.store.fs.cat_file(out["record"])
     assert b'"pass_at_1_greedy"' in record and b'"2":' in record
+    # The run's TensorBoard holds each version's numbers at step = the version.
+    logged = _tensorboard(ctx, f"eval/{out['label']}/pass_at_1")
+    assert logged == [(r["version"], pytest.approx(r["pass_at_1"])) for r in out["scores"]]
     assert _eval_actors(ctx) == []  # its engines ended with it
 
     again = evaluate_versions(**_params(ctx, versions="1..2"), return_state=True)
