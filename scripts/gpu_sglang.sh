@@ -11,6 +11,7 @@
 #   bash scripts/gpu_sglang.sh bench     # push beside the seed's, pipeline with SGLang
 #   bash scripts/gpu_sglang.sh test [-k EXPR]  # pytest -m "gpu and sglang"
 #   bash scripts/gpu_sglang.sh smollm2   # SmolLM2 learning on SGLang (GGUF in .gguf*/)
+#   bash scripts/gpu_sglang.sh eval [JSON]  # evaluate-versions on 0.5B: embedded and SGLang
 #
 # Results go to $OUT (or bench/results when OUT is unset).
 set -uo pipefail
@@ -92,8 +93,22 @@ smollm2)
         --iterations "${ITERATIONS:-60}" 2>&1 | stdbuf -oL tr "\r" "\n" |
         grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tee "$OUT/smollm2_gpu.txt" | tail -80
     ;;
+eval)
+    # evaluate-versions throughput on the 0.5B shape (bf16): embedded engine and SGLang,
+    # 1 and 2 engines, shard counts, beside the in-process evaluation (bench/evaluation.py).
+    # About 5 min (SGLang starts 3 times: baseline, 1 and 2 engines); 2 starts with
+    # EVAL_SPECS="embedded:1x128 embedded:1x32 2x32". JSON to $2 (default below).
+    with_site configs/gpu-0.5b-sglang.yaml /tmp/gpu-0.5b-sglang.yaml
+    # shellcheck disable=SC2086  # EVAL_SPECS is a list of specs
+    python3 -m bench.evaluation --config configs/gpu-0.5b.yaml /tmp/gpu-0.5b-sglang.yaml \
+        --size 128 --n-samples 4 --max-new-tokens 16 --specs ${EVAL_SPECS:-embedded:1x128 1x32 2x32} \
+        --out "${2:-$OUT/evaluation_cuda.json}" 2>&1 |
+        grep --line-buffered -v "server_args\|Writing model\|Loading weights\|^\s*$" |
+        tee "$OUT/evaluation_cuda.txt" | tail -40
+    grep -h "SGLang ready in" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | tail -4
+    ;;
 *)
-    echo "usage: $0 setup|sglang|bench|test|smollm2" >&2
+    echo "usage: $0 setup|sglang|bench|test|smollm2|eval" >&2
     exit 2
     ;;
 esac
