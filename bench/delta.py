@@ -1,35 +1,38 @@
 """Benchmark: publishing and pulling delta versions (storage.delta) vs full versions.
 
-Two states, each published as v0 (full), then v1..vN after N optimizer steps:
+States (``bench.delta_states``), each published as v0 (full), then v1..vN:
+``tiny-f32``/``tiny-bf16`` (the tiny Llama, AdamW steps), ``0.5b`` (the
+Qwen2.5-0.5B shape, synthetic lr x N(0, 1) steps) and, with ``--real-steps N``,
+``real-lr<lr>``: N real GRPO steps of the project's own trainer on the 0.5B
+shape in bf16 (CUDA when there is one, else CPU with tiny batches).
 
-- ``tiny``: the tiny Llama (training/tiny_model.py), fp32 master weights, real
-  AdamW steps (lr = tiny-cpu's 3e-3) of a next-token loss on random tokens,
-  published in fp32 (what tiny-cpu publishes) and in bf16. Not RL steps: the
-  same optimizer on another loss.
-- ``0.5b``: Qwen2.5-0.5B's parameter shapes (494M, bf16, 988 MB), random
-  weights (std 0.02, norms 1.0) held as fp32 master weights; each step moves
-  every weight by lr x N(0, 1) (an Adam update has magnitude ~1 per element),
-  lr 1e-6, and publishes the bf16 rounding. Synthetic: no gradient, no model.
+Each path as a run uses it (``training.durable._write_hf``, ``tasks.engines``):
 
-For each version, on local disk and on a moto S3 server:
+- publish: ``RunStore.weights_writer`` (full: every byte hashed, written and
+  fsynced; delta: XOR against v0, zstd, the full sha256 of the new bytes, the
+  small delta files fsynced), then commit.
+- pull: what happens before an engine loads. Local disk, full: nothing (engines
+  load the committed folder, ``engine_weights``); local disk, delta: the pull
+  that rebuilds and verifies into the engines' cache, which holds v0 already;
+  S3: a verified pull (delta: rebuilt from the cached v0).
+- load: the engine's own check of the folder it loads (``verify_dir``: every
+  byte hashed against the manifest), the same work on both sides.
 
-- full: ``WeightsWriter`` publish (sha256, fsync, manifest) of every byte, then
-  a pull into a fresh cache (local: hard link + sha256 of every byte; S3: GET).
-- delta: ``weights_writer(full_every=N+1)`` publish (XOR against v0, zstd, the
-  full sha256 of the new bytes), then a pull + rebuild into a cache that holds
-  v0 already (steady state: an engine holds the base it reloads from).
-
-The first delta also pays what is paid once per base (the publisher hashes the
-base's files; on S3 it pulls the base into its cache): its row shows it.
-Figures: bytes stored, wall seconds and this process's CPU seconds (the machine
-is shared: CPU seconds move less with other tenants' load). No assertions.
+``ratio`` is delta/full of publish + pull; ``ratio+load`` adds the load. The
+first delta also pays what is paid once per base (the publisher hashes the
+base's files; on S3 it pulls the base): its row shows it. Floors from the same
+run, over the last version's bytes: ``sha256`` (one thread, as one file is
+hashed), ``write+fsync`` (what a full publish must do), and how many seconds
+each takes. Wall and CPU seconds (this process). No assertions.
 
     python -m bench.delta --steps 3 --s3
+    python -m bench.delta --real-steps 3 --out bench/results/delta_real_cuda.json
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -42,103 +45,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from storage import RunStore, S3Options, StorageConfig  # noqa: E402
+from bench.delta_states import real_states, synthetic_states, tiny_states  # noqa: E402
+from storage import (  # noqa: E402
+    RunStore,
+    S3Options,
+    StorageConfig,
+    verify_dir,  # noqa: E402
+)
 from storage.safetensors_io import TensorEntry, write_hf_shards  # noqa: E402
 
 MB = 1 << 20
 SHARD = 512 * MB  # weights.shard_size's default
 RESULTS = Path(__file__).resolve().parent / "results" / "delta_cpu.json"
-
-
-def bf16_bits(a: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even fp32 -> bf16, as uint16 bits (what torch's .to(bfloat16) does)."""
-    u = a.view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def qwen_05b_shapes() -> dict[str, tuple[int, ...]]:
-    h, inter, kv, vocab, layers = 896, 4864, 128, 151936, 24
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        out |= {
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (h, h),
-            p + "self_attn.q_proj.bias": (h,),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.v_proj.bias": (kv,),
-            p + "self_attn.o_proj.weight": (h, h),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        }
-    out["model.norm.weight"] = (h,)
-    return out
-
-
-def synthetic_states(steps: int, lr: float) -> tuple[list[list[TensorEntry]], list[float]]:
-    """bf16 entries of v0..v{steps} of the 0.5B shape and the fraction of bf16 values
-    each step changed (vs the version before)."""
-    rng = np.random.default_rng(0)
-    master = {}
-    for name, shape in qwen_05b_shapes().items():
-        n = int(np.prod(shape))
-        if "norm" in name:
-            master[name] = np.ones(n, np.float32)
-        else:
-            master[name] = (rng.standard_normal(n, dtype=np.float32) * 0.02).astype(np.float32)
-    shapes = qwen_05b_shapes()
-    versions, fractions = [], []
-    prev = None
-    for step in range(steps + 1):
-        if step:
-            for w in master.values():
-                w -= lr * rng.standard_normal(w.size, dtype=np.float32)
-        bits = {k: bf16_bits(w) for k, w in master.items()}
-        if prev is not None:
-            changed = sum(int(np.count_nonzero(bits[k] != prev[k])) for k in bits)
-            fractions.append(changed / sum(b.size for b in bits.values()))
-        prev = bits
-        versions.append([_entry(k, "BF16", shapes[k], b) for k, b in bits.items()])
-    return versions, fractions
-
-
-def tiny_states(steps: int, dtype: str) -> tuple[list[list[TensorEntry]], list[float]]:
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from training.export import tensor_entry
-    from training.tiny_model import build_tokenizer, tiny_llama_config
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(len(build_tokenizer())))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    td = torch.float32 if dtype == "F32" else torch.bfloat16
-    versions, fractions, prev = [], [], None
-    for step in range(steps + 1):
-        if step:
-            ids = torch.randint(0, model.config.vocab_size, (16, 24))
-            opt.zero_grad()
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-        state = {k: v.detach().to(td).clone() for k, v in model.state_dict().items()}
-        if prev is not None:
-            changed = sum(int((state[k] != prev[k]).sum()) for k in state)
-            fractions.append(changed / sum(t.numel() for t in state.values()))
-        prev = state
-        versions.append([tensor_entry(k, t) for k, t in state.items()])
-    return versions, fractions
-
-
-def _entry(name: str, dtype: str, shape: tuple[int, ...], a: np.ndarray) -> TensorEntry:
-    return TensorEntry(name=name, dtype=dtype, shape=shape, data=memoryview(a).cast("B"))
 
 
 def timed(fn: Callable[..., object], *args: object, **kw: object) -> tuple[float, float, Any]:
@@ -163,6 +83,27 @@ def publish(
     return w.commit()
 
 
+def floors(entries: list[TensorEntry], tmp: str) -> dict[str, float]:
+    """Seconds of the raw work under each path, over ``entries``' bytes: sha256 on one
+    thread, and write + fsync in 1 MiB writes (storage.hashio.WRITE_CHUNK)."""
+    views = [memoryview(e.data).cast("B") for e in entries]
+    t0 = time.perf_counter()
+    sha = hashlib.sha256()
+    for mv in views:
+        sha.update(mv)
+    sha_s = time.perf_counter() - t0
+    path = os.path.join(tmp, f"floor-{uuid.uuid4().hex[:6]}")
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for mv in views:
+            for i in range(0, mv.nbytes, MB):
+                f.write(mv[i : i + MB])
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t0
+    os.unlink(path)
+    return {"sha256_s": round(sha_s, 3), "write_fsync_s": round(write_s, 3)}
+
+
 def run_state(
     name: str,
     versions: list,
@@ -171,7 +112,7 @@ def run_state(
     where: str,
     tmp: str,
 ) -> list[dict]:
-    """Rows of one state on one root: full vs delta for v1..vN."""
+    """Rows of one state on one root: full vs delta for v1..vN (see the module doc)."""
     steps = len(versions) - 1
     full = RunStore(cfg_of("full"), f"{name}-full-{uuid.uuid4().hex[:6]}")
     delta = RunStore(cfg_of("delta"), f"{name}-delta-{uuid.uuid4().hex[:6]}")
@@ -183,13 +124,20 @@ def run_state(
     rows = []
     for v in range(1, steps + 1):
         tf, cf, mf = timed(publish, full, v, versions[v], None)
-        cache = os.path.join(tmp, f"full-{v}-{uuid.uuid4().hex[:6]}")
-        tpf, cpf, _ = timed(full.pull, v, cache)
-        shutil.rmtree(cache)
+        folder, cache = full.local_version_dir(v), None
+        tpf = cpf = 0.0
+        if folder is None:  # an object store: engines pull; a local root: they load it as is
+            cache = os.path.join(tmp, f"full-{v}-{uuid.uuid4().hex[:6]}")
+            tpf, cpf, pulled = timed(full.pull, v, cache)
+            folder = pulled.path
+        tlf, clf, _ = timed(verify_dir, folder)
+        if cache is not None:
+            shutil.rmtree(cache)
         td, cd, md = timed(publish, delta, v, versions[v], steps + 1, base_cache)
         assert md.delta is not None and md.rebuilt().file_set() == mf.file_set()
-        tpd, cpd, _ = timed(delta.pull, v, engine_cache)
-        shutil.rmtree(os.path.join(engine_cache, f"v{v:06d}"))
+        tpd, cpd, pulled = timed(delta.pull, v, engine_cache)
+        tld, cld, _ = timed(verify_dir, pulled.path)
+        shutil.rmtree(pulled.path)
         row = {
             "state": name,
             "root": where,
@@ -200,17 +148,21 @@ def run_state(
             "bytes_ratio": round(md.total_bytes() / mf.total_bytes(), 4),
             "full_publish_s": round(tf, 3),
             "full_pull_s": round(tpf, 3),
+            "full_load_s": round(tlf, 3),
             "delta_publish_s": round(td, 3),
             "delta_pull_rebuild_s": round(tpd, 3),
+            "delta_load_s": round(tld, 3),
             "time_ratio": round((td + tpd) / (tf + tpf), 3),
-            "full_cpu_s": round(cf + cpf, 3),
-            "delta_cpu_s": round(cd + cpd, 3),
+            "time_ratio_with_load": round((td + tpd + tld) / (tf + tpf + tlf), 3),
+            "full_cpu_s": round(cf + cpf + clf, 3),
+            "delta_cpu_s": round(cd + cpd + cld, 3),
         }
         rows.append(row)
         print(
             f"| {name} | {where} | v{v} | {row['changed_fraction_vs_prev']:.4f} | "
             f"{mf.total_bytes() / MB:.2f} MB | {md.total_bytes() / MB:.3f} MB ({row['bytes_ratio']:.3f}) | "
-            f"{tf:.2f} + {tpf:.2f} s | {td:.2f} + {tpd:.2f} s ({row['time_ratio']:.2f}x) | "
+            f"{tf:.2f} + {tpf:.2f} + {tlf:.2f} s | {td:.2f} + {tpd:.2f} + {tld:.2f} s | "
+            f"{row['time_ratio']:.2f}x | {row['time_ratio_with_load']:.2f}x | "
             f"{row['full_cpu_s']:.2f} / {row['delta_cpu_s']:.2f} |",
             flush=True,
         )
@@ -219,25 +171,64 @@ def run_state(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="steps of the tiny and 0.5b states")
     ap.add_argument("--lr", type=float, default=1e-6, help="0.5b state: step size")
     ap.add_argument("--out", default=str(RESULTS), help="results JSON")
-    ap.add_argument("--states", nargs="+", default=["tiny-f32", "tiny-bf16", "0.5b"])
+    ap.add_argument(
+        "--states",
+        nargs="*",
+        default=None,
+        help="of tiny-f32 tiny-bf16 0.5b (default: all three, none with --real-steps)",
+    )
+    ap.add_argument("--real-steps", type=int, default=0, help="real trainer steps (0: none)")
+    ap.add_argument(
+        "--real-lrs",
+        type=float,
+        nargs="+",
+        default=[1e-4, 1e-6],
+        help="real steps' AdamW lr, one state each (1e-4: configs/gpu-0.5b.yaml)",
+    )
+    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--s3", action="store_true", help="also on a moto S3 server")
     args = ap.parse_args()
-    states = {}
-    for s in args.states:
+    names = args.states
+    if names is None:
+        names = [] if args.real_steps else ["tiny-f32", "tiny-bf16", "0.5b"]
+    states: dict[str, tuple[list, list]] = {}
+    meta: dict[str, Any] = {
+        "steps": args.steps,
+        "lr_0.5b": args.lr,
+        "cpus": os.cpu_count(),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    for s in names:
         if s == "0.5b":
             states[s] = synthetic_states(args.steps, args.lr)
         else:
             states[s] = tiny_states(args.steps, "F32" if s == "tiny-f32" else "BF16")
+    if args.real_steps:
+        import torch
+
+        device = args.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        for lr in args.real_lrs:
+            t0 = time.perf_counter()
+            versions, fractions, info = real_states(args.real_steps, lr, device)
+            info["build_and_train_s"] = round(time.perf_counter() - t0, 1)
+            print(f"real-lr{lr:g}: {info}", flush=True)
+            states[f"real-lr{lr:g}"] = (versions, fractions)
+            meta[f"real-lr{lr:g}"] = info
     print(
-        "| state | root | version | changed bf16/fp32 values | full | delta (ratio) | full publish + pull | delta publish + pull/rebuild (ratio) | CPU s full / delta |"
+        "| state | root | version | changed values | full | delta (ratio) | full publish + pull + load | "
+        "delta publish + pull/rebuild + load | ratio | ratio+load | CPU s full / delta |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-delta-") as tmp:
         for s, (versions, fr) in states.items():
+            meta[f"floors-{s}"] = {"bytes": sum(len(e.data) for e in versions[-1])}
+            meta[f"floors-{s}"] |= floors(versions[-1], tmp)
             rows += run_state(
                 s,
                 versions,
@@ -263,12 +254,12 @@ def main() -> None:
                         "moto s3",
                         tmp,
                     )
-    meta = {
-        "steps": args.steps,
-        "lr_0.5b": args.lr,
-        "cpus": os.cpu_count(),
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
+    for s in states:
+        f = meta[f"floors-{s}"]
+        print(
+            f"floors {s} ({f['bytes'] / MB:.0f} MB, local disk): sha256 one thread "
+            f"{f['sha256_s']:.2f} s, write+fsync {f['write_fsync_s']:.2f} s"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

@@ -168,11 +168,14 @@ class FrameWriter:
         self._out.write(c)
 
 
-def read_frames(f: BinaryIO, where: str, limit: int) -> tuple[bytes, Iterator[np.ndarray]]:
-    """(mode, the decompressed frames of a delta file). Each frame is a view of one
-    reused buffer, valid until the next is read (fresh 8 MB buffers per frame cost
-    page faults that made decoding 4x slower). Every malformed byte is an
-    IntegrityError naming ``where``; ``limit`` bounds what one frame may claim."""
+def read_frames(
+    f: BinaryIO, where: str, limit: int, buffers: int = 1
+) -> tuple[bytes, Iterator[np.ndarray]]:
+    """(mode, the decompressed frames of a delta file). Frame i is a view of reused
+    buffer i % ``buffers``, valid until frame i + ``buffers`` is read (fresh 8 MB
+    buffers per frame cost page faults that made decoding 4x slower; more than one
+    lets a reader decompress ahead while it uses a frame). Every malformed byte is
+    an IntegrityError naming ``where``; ``limit`` bounds what one frame may claim."""
     z = _zstd()
     head = f.read(len(MAGIC) + 1)
     if head[: len(MAGIC)] != MAGIC or head[len(MAGIC) :] not in (TENSORS, RAW):
@@ -180,8 +183,10 @@ def read_frames(f: BinaryIO, where: str, limit: int) -> tuple[bytes, Iterator[np
 
     def frames() -> Iterator[np.ndarray]:
         d = z.ZstdDecompressor()
-        buf = np.empty(FRAME, np.uint8)
+        ring = [np.empty(FRAME, np.uint8) for _ in range(max(1, buffers))]
+        i = 0
         while True:
+            buf, i = ring[i % len(ring)], i + 1
             lb = f.read(4)
             if not lb:
                 return
@@ -196,7 +201,7 @@ def read_frames(f: BinaryIO, where: str, limit: int) -> tuple[bytes, Iterator[np
                 if size < 0 or size > limit:
                     raise IntegrityError(f"{where}: a frame claims {size} bytes (limit {limit})")
                 if size > len(buf):
-                    buf = np.empty(size, np.uint8)
+                    buf = ring[(i - 1) % len(ring)] = np.empty(size, np.uint8)
                 got, out, reader = 0, memoryview(buf)[:size], d.stream_reader(c)
                 while got < size and (k := reader.readinto(out[got:])):
                     got += k

@@ -13,8 +13,12 @@ and the base are already local and verified when it runs.
 from __future__ import annotations
 
 import os
+import queue
 import shutil
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 
 import numpy as np
 
@@ -36,6 +40,9 @@ from storage.types import FileEntry, WeightsManifest
 
 # Files rebuilt at once: decompression, XOR and sha256 all release the GIL.
 _THREADS = 4
+# Frames a file's reader decompresses ahead of the frame being XORed, written and
+# hashed: each file's rebuild then takes the longer of the two, not their sum.
+_AHEAD = 1
 
 
 def _who(m: WeightsManifest) -> str:
@@ -136,21 +143,23 @@ def _decode(stage: str, base_dir: str, e: FileEntry, m: WeightsManifest) -> None
     try:
         with open(src, "rb") as f:
             mode, frames = read_frames(
-                f, f"{_who(m)} {e.name + DELTA_SUFFIX!r}", FRAME + MAX_HEADER
+                f, f"{_who(m)} {e.name + DELTA_SUFFIX!r}", FRAME + MAX_HEADER, _AHEAD + 2
             )
             off = 0
-            for x in frames:
-                if off + len(x) > e.bytes:
-                    raise IntegrityError(
-                        f"{_who(m)}: {e.name + DELTA_SUFFIX!r} decodes to more than the "
-                        f"{e.bytes} bytes of {e.name!r}; the delta is damaged: republish it"
-                    )
-                if image is None:
-                    image = _image(mode, x, base_path, e, m)
-                if len(x) > len(buf):
-                    buf = np.empty(len(x), np.uint8)
-                out.write(xor_into(image.read_into(off, buf[: len(x)]), x))
-                off += len(x)
+            # closing: the reader thread stops before the file it reads is closed
+            with closing(_ahead(frames, _AHEAD)) as ahead:
+                for x in ahead:
+                    if off + len(x) > e.bytes:
+                        raise IntegrityError(
+                            f"{_who(m)}: {e.name + DELTA_SUFFIX!r} decodes to more than the "
+                            f"{e.bytes} bytes of {e.name!r}; the delta is damaged: republish it"
+                        )
+                    if image is None:
+                        image = _image(mode, x, base_path, e, m)
+                    if len(x) > len(buf):
+                        buf = np.empty(len(x), np.uint8)
+                    out.write(xor_into(image.read_into(off, buf[: len(x)]), x))
+                    off += len(x)
         if image is None:  # an empty file
             image = BaseImage.raw(base_path)
     except BaseException:
@@ -204,3 +213,43 @@ def _check(path: str, e: FileEntry, m: WeightsManifest, how: str) -> None:
             f"says {e.bytes} bytes sha256 {e.sha256[:12]}...; re-pull, or republish "
             f"{version_name(m.version)}"
         )
+
+
+def _ahead(items: Iterator[np.ndarray], depth: int) -> Iterator[np.ndarray]:
+    """``items``, produced by a thread up to ``depth`` items ahead of the consumer
+    (``read_frames`` with ``depth + 2`` buffers keeps every item it yields intact
+    while the consumer holds it). An exception in the producer is raised here."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item: tuple) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run() -> None:
+        try:
+            for x in items:
+                if not put(("item", x)):
+                    return
+            put(("end", None))
+        except BaseException as e:  # handed to the consumer, which raises it
+            put(("error", e))
+
+    t = threading.Thread(target=run, name="storage-rebuild-read", daemon=True)
+    t.start()
+    try:
+        while True:
+            kind, x = q.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise x
+            yield x
+    finally:
+        stop.set()
+        t.join()

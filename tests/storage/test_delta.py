@@ -269,3 +269,35 @@ def test_files_that_do_not_line_up_with_the_base_still_rebuild_exactly(tmp_path)
         for n in os.listdir(pulled)
         if n != "manifest.json"
     } == v1
+
+
+def test_a_file_of_many_frames_rebuilds_exactly_and_a_late_damage_is_refused(tmp_path):
+    """A file several zstd frames long (the reader decompresses ahead while it writes):
+    it rebuilds bit-exact; a base damaged inside its last frame is refused."""
+    import numpy as np
+
+    from storage.delta_format import FRAME
+
+    n = 2 * FRAME + 12345  # three frames
+    base = np.resize(np.arange(251, dtype=np.uint8), n)
+    new = base.copy()
+    new[::4093] ^= 0x5A  # a change in every frame
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "r")
+    for v, data in ((0, base), (1, new)):
+        w = store.weights_writer(v, v, None, full_every=5)
+        with w.open("big.bin") as f:
+            f.write(data)
+        m = w.commit()
+    assert m.delta is not None and m.files[0].bytes < n // 10
+    pulled = store.pull(1, str(tmp_path / "c1")).path
+    assert open(os.path.join(pulled, "big.bin"), "rb").read() == new.tobytes()
+
+    c2 = tmp_path / "c2"
+    b = os.path.join(store.pull(0, str(c2)).path, "big.bin")
+    damaged = bytearray(base.tobytes())
+    damaged[n - 7] ^= 1
+    os.unlink(b)  # the cache may be a hard link to the committed file
+    open(b, "wb").write(damaged)
+    with pytest.raises(IntegrityError, match=r"v000001 \(a delta of v000000\): rebuilt 'big.bin'"):
+        store.pull(1, str(c2))
+    assert not (c2 / "v000001").exists()
