@@ -111,9 +111,13 @@ def evaluate_versions(params: EvaluateParams) -> dict[str, Any]:
         with RayTaskRunner(address=plan.ctx.cfg.ray.address) as runner:
             for v in plan.versions:
                 t0 = time.perf_counter()
-                shards = score_version(runner, plan, v, shard_task, todo[v], params.shard_cpus)
-                # wall_s: the version's load and shards, as the flow waited for them
-                scores.append({**version_scores(shards), "wall_s": time.perf_counter() - t0})
+                shards, load_s = score_version(
+                    runner, plan, v, shard_task, todo[v], params.shard_cpus
+                )
+                # wall_s: the version's load and shards, as the flow waited for them;
+                # load_s: its part bringing the engines to v (the first: their start)
+                wall_s = time.perf_counter() - t0
+                scores.append({**version_scores(shards), "wall_s": wall_s, "load_s": load_s})
                 log.info("v%d: %s", v, _line(scores[-1]))
     finally:
         if any(todo.values()):
@@ -166,10 +170,12 @@ def score_version(
     shard_task,
     todo: list[int],
     shard_cpus: float,
-) -> list[ShardScore]:
+) -> tuple[list[ShardScore], float]:
     """Load ``v`` on every engine (when a shard of it is to be scored), then every
     shard of ``v`` at once; every shard is waited for before a failure is raised,
-    so the finished ones are persisted for the rerun."""
+    so the finished ones are persisted for the rerun. The shards' scores and the
+    seconds the load took."""
+    t0 = time.perf_counter()
     if todo:
         with remote_options(num_cpus=0):
             loads = [
@@ -178,6 +184,7 @@ def score_version(
             ]
         for f in loads:
             f.result()
+    load_s = time.perf_counter() - t0
     with remote_options(num_cpus=shard_cpus):
         futures = [
             runner.submit(shard_task, {"plan": plan, "version": v, "shard": s})
@@ -192,7 +199,7 @@ def score_version(
             f"v{v}: shards {failed} of {len(futures)} failed ({first.message}); the other "
             "shards' results are kept: rerun with the same parameters to score only these"
         )
-    return [ShardScore.from_json(f.result()) for f in futures]
+    return [ShardScore.from_json(f.result()) for f in futures], load_s
 
 
 def _line(row: dict[str, Any]) -> str:
