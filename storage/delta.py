@@ -75,10 +75,33 @@ def choose_base(
 # sha256 of a delta file's new bytes runs here, beside its XOR and compression.
 _SHA_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="storage-delta-sha")
 
-# (path, inode, size, mtime_ns) -> sha256 of base files this process has hashed:
-# committed files are immutable, so one read per base file per process is enough.
+# (path, inode, size, mtime_ns) -> sha256 of base files this process has hashed (or
+# written: remember_committed): committed files are immutable, so one read per base
+# file per process is enough.
 _VERIFIED: dict[tuple[str, int, int, int], str] = {}
 _VERIFIED_LOCK = threading.Lock()
+
+
+def _key(path: str, st: os.stat_result) -> tuple[str, int, int, int]:
+    return (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def remember_committed(m: WeightsManifest, folder: str) -> None:
+    """Record the files of full version ``m``, just committed into the local ``folder``
+    by this process, as verified: their sha256 was taken from the very bytes written
+    (storage.hashio), so the first delta against this base need not read them again.
+    Any later write changes a file's mtime (or inode), and the file is hashed again."""
+    if m.delta is not None:
+        return
+    for e in m.files:
+        path = os.path.join(folder, e.name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        if st.st_size == e.bytes:
+            with _VERIFIED_LOCK:
+                _VERIFIED[_key(path, st)] = e.sha256
 
 
 def verify_base_file(path: str, entry: FileEntry, base: int, version: int) -> None:
@@ -91,7 +114,7 @@ def verify_base_file(path: str, entry: FileEntry, base: int, version: int) -> No
             f"base {version_name(base)} of {version_name(version)}: {entry.name!r} is missing "
             f"from {os.path.dirname(path)}; pull the base again or publish the version full"
         ) from None
-    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    key = _key(path, st)
     with _VERIFIED_LOCK:
         sha = _VERIFIED.get(key)
     if sha is None:

@@ -177,6 +177,8 @@ class RunStore:
             iteration,
             parent,
             guard=self.check_fence,
+            # delta on: a full version written here is the next deltas' base
+            on_commit=None if full_every is None else _delta.remember_committed,
         )
         if full_every is None:
             return writer

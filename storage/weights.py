@@ -79,6 +79,7 @@ class WeightsWriter:
         parent: int | None,
         max_inflight_parts: int = 8,
         guard: Callable[[], None] | None = None,
+        on_commit: Callable[[WeightsManifest, str], None] | None = None,
     ):
         self.fs, self.run, self.version = fs, run, version
         self.iteration, self.parent = iteration, parent
@@ -99,6 +100,9 @@ class WeightsWriter:
         self._finished = False
         # Called just before the commit (and before deleting anything): the fence check.
         self._guard = guard or (lambda: None)
+        # Called with the manifest and the committed local folder once a local commit
+        # renamed it into place (storage.delta remembers the hashes of a future base).
+        self._on_commit = on_commit
         try:
             self._existing: WeightsManifest | None = read_manifest(fs, weights_dir, version)
         except ManifestError:
@@ -248,6 +252,8 @@ class WeightsWriter:
         os.rename(self._stage, self._final)
         self._held.release()  # it is the version now, no longer staging
         fsync_dir(self._weights_dir)
+        if self._on_commit is not None:
+            self._on_commit(m, self._final)
         return m
 
     def _same_or_conflict(

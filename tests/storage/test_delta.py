@@ -196,7 +196,7 @@ def test_a_crash_during_a_delta_publish_leaves_no_version(cfg, step_states, tmp_
 def test_a_delta_writer_refuses_a_base_that_changed_on_disk(tmp_path, step_states):
     store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "r")
     base_dir, before, after = step_states
-    m0 = _publish(store, 0, before, base_dir)
+    m0 = _publish(store, 0, before, base_dir, every=None)  # another writer's base
     shard = next(f.name for f in m0.files if f.name.endswith(".safetensors"))
     p = os.path.join(store.version_url(0), shard)
     data = bytearray(open(p, "rb").read())
@@ -205,6 +205,29 @@ def test_a_delta_writer_refuses_a_base_that_changed_on_disk(tmp_path, step_state
     with pytest.raises(StorageError, match=rf"base v000000 of v000001: '{shard}'"):
         _publish(store, 1, after, base_dir)
     assert store.committed_versions() == [0]
+
+
+def test_bit_rot_under_a_base_this_process_wrote_is_refused_at_pull(tmp_path, step_states):
+    """The publisher trusts the hashes of a full version it committed itself (it hashed
+    the bytes it wrote) while the file's inode, size and mtime stay; rot that keeps them
+    makes a delta nobody can rebuild, and the pull refuses it (its base first) instead
+    of serving it."""
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "r")
+    base_dir, before, after = step_states
+    m0 = _publish(store, 0, before, base_dir)
+    shard = next(f.name for f in m0.files if f.name.endswith(".safetensors"))
+    p = os.path.join(store.version_url(0), shard)
+    st = os.stat(p)
+    with open(p, "r+b") as f:  # in place: the same inode and size
+        f.seek(st.st_size - 1)
+        last = f.read(1)
+        f.seek(st.st_size - 1)
+        f.write(bytes([last[0] ^ 1]))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # rot leaves mtime as it was
+    assert _publish(store, 1, after, base_dir).delta is not None
+    with pytest.raises(IntegrityError, match=r"v000000 failed verification"):
+        store.pull(1, str(tmp_path / "c"))
+    assert not (tmp_path / "c" / "v000001").exists()
 
 
 def test_the_materialize_command_writes_any_version_as_a_full_folder(
