@@ -145,16 +145,16 @@ def test_deployment_run_completes_with_names_artifacts_and_versions(stack, clien
 
 def test_evaluate_versions_runs_as_a_deployment(stack, client, finished_run):
     """The worker runs evaluate-versions on the trained run's newest version: its own
-    engine, 4 prompts in 2 shards on RayTaskRunner, the record under the run's evals/
+    engine, 4 prompts in one shard on RayTaskRunner, the record under the run's evals/
     and the table artifact (before the maintenance test below deletes versions)."""
     ref = {"run_name": "e2e", "storage_root": str(finished_run)}
     dep = "evaluate-versions/evaluate-versions"
-    sizes = {"size": 4, "n_samples": 2, "shard_size": 2, "num_engines": 1, "shard_cpus": 0.5}
+    sizes = {"size": 4, "n_samples": 2, "shard_size": 4, "num_engines": 1, "shard_cpus": 0.5}
     run_maintenance(stack, dep, **ref, versions="newest 1", dataset="reverse", **sizes)
     [run] = flow_runs(client, dep)
     assert run.state.is_completed() and "e2e" in run.tags
     record = json.loads((finished_run / "e2e" / "evals" / "reverse-4-n2-t1.json").read_text())
-    assert list(record["versions"]) == ["2"] and record["shards"] == 2
+    assert list(record["versions"]) == ["2"] and record["shards"] == 1
     assert record["versions"]["2"]["prompts"] == 4
     [table] = client.read_artifacts(artifact_filter=_key("e2e-eval-reverse-4-n2-t1"))
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data
