@@ -189,7 +189,7 @@ def _bench_variant(ctx, args, specs: list[tuple[int, int]]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", nargs="*", default=[None], help="run config files, one per variant")
+    ap.add_argument("--config", nargs="+", default=[None], help="run config files, one per variant")
     ap.add_argument("--set", action="append", default=[], help="extra dotted overrides")
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--n-samples", type=int, default=4)
