@@ -25,6 +25,10 @@ run, over the last version's bytes: ``sha256`` (one thread, as one file is
 hashed), ``write+fsync`` (what a full publish must do), and how many seconds
 each takes. Wall and CPU seconds (this process). No assertions.
 
+``--busy-disk-gb 2.3`` times each local-disk path again while a checkpoint-sized
+writer streams to the same disk (a run saving every iteration), where a full
+publish's fsync waits behind it and a delta's 4% does not.
+
     python -m bench.delta --steps 3 --s3
     python -m bench.delta --real-steps 3 --out bench/results/delta_real_cuda.json
 """
@@ -39,9 +43,11 @@ import resource
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +111,33 @@ def floors(entries: list[TensorEntry], tmp: str) -> dict[str, float]:
     return {"sha256_s": round(sha_s, 3), "write_fsync_s": round(write_s, 3)}
 
 
+@contextmanager
+def busy_disk(tmp: str, gb: float) -> Iterator[None]:
+    """A checkpoint-sized writer beside the timed block: ``gb`` GB written in 1 MiB
+    calls into ``tmp``, then fsynced (a run that saves every iteration writes 2.3 GB of
+    checkpoint while it publishes 1 GB: README, bench.ledger_fsync). Joined after the
+    block, so each block starts on a quiet disk."""
+    if gb <= 0:
+        yield
+        return
+    path = os.path.join(tmp, f"busy-{uuid.uuid4().hex[:6]}")
+    chunk = b"\x01" * MB
+
+    def run() -> None:
+        with open(path, "wb", buffering=0) as f:
+            for _ in range(int(gb * 1024)):
+                f.write(chunk)
+            os.fsync(f.fileno())
+
+    t = threading.Thread(target=run, name="bench-busy-disk")
+    t.start()
+    try:
+        yield
+    finally:
+        t.join()
+        os.unlink(path)
+
+
 def run_state(
     name: str,
     versions: list,
@@ -112,6 +145,7 @@ def run_state(
     cfg_of: Callable[[str], StorageConfig],
     where: str,
     tmp: str,
+    busy_gb: float = 0.0,
 ) -> list[dict]:
     """Rows of one state on one root: full vs delta for v1..vN (see the module doc)."""
     steps = len(versions) - 1
@@ -124,24 +158,27 @@ def run_state(
     delta.pull(0, engine_cache)  # the engines hold v0 already
     rows = []
     for v in range(1, steps + 1):
-        tf, cf, mf = timed(publish, full, v, versions[v], None)
-        folder, cache = full.local_version_dir(v), None
-        tpf = cpf = 0.0
-        if folder is None:  # an object store: engines pull; a local root: they load it as is
-            cache = os.path.join(tmp, f"full-{v}-{uuid.uuid4().hex[:6]}")
-            tpf, cpf, pulled = timed(full.pull, v, cache)
-            folder = pulled.path
-        tlf, clf, _ = timed(verify_dir, folder)
+        with busy_disk(tmp, busy_gb if where == "disk" else 0):
+            tf, cf, mf = timed(publish, full, v, versions[v], None)
+            folder, cache = full.local_version_dir(v), None
+            tpf = cpf = 0.0
+            if folder is None:  # an object store: engines pull; a local root: they load it
+                cache = os.path.join(tmp, f"full-{v}-{uuid.uuid4().hex[:6]}")
+                tpf, cpf, pulled = timed(full.pull, v, cache)
+                folder = pulled.path
+            tlf, clf, _ = timed(verify_dir, folder)
         if cache is not None:
             shutil.rmtree(cache)
-        td, cd, md = timed(publish, delta, v, versions[v], steps + 1, base_cache)
-        assert md.delta is not None and md.rebuilt().file_set() == mf.file_set()
-        tpd, cpd, pulled = timed(delta.pull, v, engine_cache)
-        tld, cld, _ = timed(verify_dir, pulled.path)
+        with busy_disk(tmp, busy_gb if where == "disk" else 0):
+            td, cd, md = timed(publish, delta, v, versions[v], steps + 1, base_cache)
+            assert md.delta is not None and md.rebuilt().file_set() == mf.file_set()
+            tpd, cpd, pulled = timed(delta.pull, v, engine_cache)
+            tld, cld, _ = timed(verify_dir, pulled.path)
         shutil.rmtree(pulled.path)
         row = {
             "state": name,
             "root": where,
+            "busy_disk_gb": busy_gb if where == "disk" else 0,
             "version": v,
             "changed_fraction_vs_prev": round(fractions[v - 1], 6),
             "full_bytes": mf.total_bytes(),
@@ -160,7 +197,7 @@ def run_state(
         }
         rows.append(row)
         print(
-            f"| {name} | {where} | v{v} | {row['changed_fraction_vs_prev']:.4f} | "
+            f"| {name} | {where}{f' + {busy_gb:g} GB' if busy_gb and where == 'disk' else ''} | v{v} | {row['changed_fraction_vs_prev']:.4f} | "
             f"{mf.total_bytes() / MB:.2f} MB | {md.total_bytes() / MB:.3f} MB ({row['bytes_ratio']:.3f}) | "
             f"{tf:.2f} + {tpf:.2f} + {tlf:.2f} s | {td:.2f} + {tpd:.2f} + {tld:.2f} s | "
             f"{row['time_ratio']:.2f}x | {row['time_ratio_with_load']:.2f}x | "
@@ -191,6 +228,13 @@ def main() -> None:
     )
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--s3", action="store_true", help="also on a moto S3 server")
+    ap.add_argument(
+        "--busy-disk-gb",
+        type=float,
+        default=0.0,
+        help="local disk: also time each path while a checkpoint-like writer streams this "
+        "many GB to the same disk (2.3: a 0.5B run saving every iteration)",
+    )
     args = ap.parse_args()
     names = args.states
     if names is None:
@@ -230,14 +274,16 @@ def main() -> None:
         for s, (versions, fr) in states.items():
             meta[f"floors-{s}"] = {"bytes": sum(len(e.data) for e in versions[-1])}
             meta[f"floors-{s}"] |= floors(versions[-1], tmp)
-            rows += run_state(
-                s,
-                versions,
-                fr,
-                lambda kind: StorageConfig(root=os.path.join(tmp, kind)),
-                "disk",
-                tmp,
-            )
+            for busy in sorted({0.0, args.busy_disk_gb}):
+                rows += run_state(
+                    s,
+                    versions,
+                    fr,
+                    lambda kind: StorageConfig(root=os.path.join(tmp, kind)),
+                    "disk",
+                    tmp,
+                    busy,
+                )
         if args.s3:
             sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
             from s3_server import make_bucket, moto_s3
