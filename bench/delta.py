@@ -26,8 +26,9 @@ hashed), ``write+fsync`` (what a full publish must do), and how many seconds
 each takes. Wall and CPU seconds (this process). No assertions.
 
 ``--busy-disk-gb 2.3`` times each local-disk path again while a checkpoint-sized
-writer streams to the same disk (a run saving every iteration), where a full
-publish's fsync waits behind it and a delta's 4% does not.
+writer streams to the same disk (a run saving every iteration): the case where
+writing 4% of the bytes might buy time on a slow disk. On the 2-core box (fast
+disk) it did not: both paths slowed alike, bound by CPU.
 
     python -m bench.delta --steps 3 --s3
     python -m bench.delta --real-steps 3 --out bench/results/delta_real_cuda.json
