@@ -65,23 +65,46 @@ bench)
     python3 scripts/sglang_start_phases.py "${TMPDIR:-/tmp}"/prefect-rl-sglang-* 2>/dev/null | tail -30
     ;;
 test)
-    # Output goes to $OUT/sglang_tests.txt as it comes, so a call cut at its limit keeps
-    # what ran; TESTS_LIMIT_S stops pytest first (default 560 s of a 600 s call).
+    # One pytest run may outlast one call (8 SGLang starts, ~600 s): the first `test`
+    # call starts pytest in its own session (setsid: it outlives the call while the
+    # machine is held) and waits up to TESTS_WAIT_S (570 s); a `test` call right after
+    # (within the machine's 30 s idle release) waits for that same run. Each line is
+    # stamped with the time it ended (a test's line ends when its result is known), and
+    # the log so far lands in $OUT/sglang_tests.txt either way.
     shift
-    timeout -k 10 "${TESTS_LIMIT_S:-560}" python3 -m pytest -m "gpu and sglang" \
-        -p no:cacheprovider -v -rA --basetemp=/tmp/pt "$@" \
-        tests/engines/test_http_contract.py tests/integration/test_sglang_gpu.py 2>&1 |
-        grep --line-buffered -v "server_args\|Writing model\|Loading weights" >"$OUT/sglang_tests.txt"
-    rc=${PIPESTATUS[0]}
-    grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " "$OUT/sglang_tests.txt" | tail -60
+    LOG=/tmp/sgltests/log.txt
+    if [ ! -f /tmp/sgltests/pid ]; then
+        mkdir -p /tmp/sgltests
+        setsid bash -c 'python3 -m pytest -m "gpu and sglang" -p no:cacheprovider -v -rA \
+            --durations=0 --basetemp=/tmp/pt "$@" tests/engines/test_http_contract.py \
+            tests/integration/test_sglang_gpu.py 2>&1 |
+            grep --line-buffered -v "server_args\|Writing model\|Loading weights" |
+            while IFS= read -r l; do printf "%(%T)T %s\n" -1 "$l"; done >/tmp/sgltests/log.txt
+            echo "${PIPESTATUS[0]}" >/tmp/sgltests/rc' _ "$@" </dev/null >/dev/null 2>&1 &
+        echo $! >/tmp/sgltests/pid
+    fi
+    waited=0
+    while [ ! -f /tmp/sgltests/rc ] && [ "$waited" -lt "${TESTS_WAIT_S:-570}" ]; do
+        sleep 5
+        waited=$((waited + 5))
+        cp "$LOG" "$OUT/sglang_tests.txt" 2>/dev/null
+    done
+    cp "$LOG" "$OUT/sglang_tests.txt" 2>/dev/null
+    python3 scripts/sglang_start_phases.py /tmp/pt >"$OUT/sglang_starts.txt"
+    if [ ! -f /tmp/sgltests/rc ]; then
+        tail -5 "$LOG"
+        echo "pytest still running: call the test stage again within 30 s" >&2
+        exit 3
+    fi
+    grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed| E |s (call|setup|teardown) " "$LOG" | tail -80
     for f in $(find /tmp/pt -name "*.log" 2>/dev/null); do
         if grep -q "Traceback" "$f"; then
             echo "== $f"
             grep -v server_args "$f" | grep -B2 -A12 "Traceback" | tail -40
         fi
     done
-    python3 scripts/sglang_start_phases.py /tmp/pt | tee -a "$OUT/sglang_tests.txt" | tail -40
-    exit "$rc"
+    cat "$OUT/sglang_starts.txt"
+    exit "$(cat /tmp/sgltests/rc)"
     ;;
 smollm2)
     mkdir -p ~/.cache/prefect-rl/downloads
