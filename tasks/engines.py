@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import ray
 
 from tasks import colocate
+from tasks.phases import phase
 
 log = logging.getLogger("prefect_rl.engines")
 
@@ -284,7 +285,9 @@ def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) 
     Colocated, ``Served.memory`` holds the device states it leaves (``tasks.colocate``)."""
     committed = [c for c in ctx.store.committed_versions() if c <= v]
     memory = colocate.wake_engine(ctx, engine_id)  # the health check runs a forward
-    if not group.is_alive(engine_id):
+    with phase("alive"):
+        alive = group.is_alive(engine_id)
+    if not alive:
         base = max(committed)
         if group.ran_before(engine_id):  # else its first start: the group logs "starting"
             log.warning(
@@ -294,13 +297,18 @@ def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) 
         group.restart(engine_id, engine_weights(ctx, group, engine_id, base).path, base)
         memory = colocate.wake_engine(ctx, engine_id)  # the new one's state
     push = None
-    if force or served_version(ctx, group, engine_id) != str(v):
+    with phase("served"):
+        current = served_version(ctx, group, engine_id)
+    if force or current != str(v):
         trainer = ctx.trainer()
-        if v in committed and trainer.iteration() != v:
+        with phase("state"):
+            from_disk = v in committed and trainer.iteration() != v
+        if from_disk:
             memory = colocate.for_update(ctx, engine_id, push=False)
             disk_reload(ctx, group, engine_id, v, engine_weights(ctx, group, engine_id, v).path)
         else:
-            trainer.ensure_state(v, ctx.base_model_path)
+            with phase("state"):
+                trainer.ensure_state(v, ctx.base_model_path)
             # Both sides hold the weights while they move; re-created ranks start awake.
             memory = colocate.for_update(ctx, engine_id, push=True)
             out = _push(ctx, group, trainer, engine_id, v)
@@ -309,7 +317,8 @@ def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) 
                 for k in ("path", "signal", "bound", "bytes", "buckets", "s")
                 if k in (out or {})
             }
-    ctx.store.record_serving(engine_id, v)
+    with phase("record"):
+        ctx.store.record_serving(engine_id, v)
     return Served(memory, push=push)
 
 
@@ -318,11 +327,16 @@ def disk_reload(ctx, group, engine_id: int, v: int, path: str) -> None:
     flush_cache_interval versions), continue."""
     flush = v % ctx.cfg.weights.flush_cache_interval == 0
     with engine_client(ctx, group, engine_id) as client:
-        client.pause_generation(ctx.cfg.engines.pause_mode)
+        with phase("pause"):
+            client.pause_generation(ctx.cfg.engines.pause_mode)
         try:
-            reply = client.update_weights_from_disk(path, weight_version=str(v), flush_cache=flush)
+            with phase("load"):
+                reply = client.update_weights_from_disk(
+                    path, weight_version=str(v), flush_cache=flush
+                )
         finally:
-            client.continue_generation()
+            with phase("continue"):
+                client.continue_generation()
     if not reply.get("success"):
         raise RuntimeError(f"engine {engine_id} refused v{v} from {path}: {reply.get('message')}")
 
@@ -337,20 +351,24 @@ def _push(ctx, group, trainer, engine_id: int, v: int) -> dict:
     w = ctx.cfg.weights
     flush = v % w.flush_cache_interval == 0
     with engine_client(ctx, group, engine_id) as client:
-        client.pause_generation(ctx.cfg.engines.pause_mode)
+        with phase("pause"):
+            client.pause_generation(ctx.cfg.engines.pause_mode)
         try:
-            session = _begin_update_session(client)
-            out = trainer.push_weights(
-                group.handle(engine_id),
-                w.transport,
-                w.bucket_bytes,
-                flush,
-                group_name=f"{ctx.run_name}-wu-e{engine_id}",
-            )
+            with phase("session"):
+                session = _begin_update_session(client)
+            with phase("push"):
+                out = trainer.push_weights(
+                    group.handle(engine_id),
+                    w.transport,
+                    w.bucket_bytes,
+                    flush,
+                    group_name=f"{ctx.run_name}-wu-e{engine_id}",
+                )
             if session:
                 client.end_weight_update()
         finally:
-            client.continue_generation()
+            with phase("continue"):
+                client.continue_generation()
     return out
 
 

@@ -21,8 +21,8 @@ Prefect tasks (``tasks.rl_tasks``) and the plain driver (``flows.driver``):
                       (``tasks.types``), timed, written to ``ledger/iter_k/<key>.json``
 
 The record also holds ``phases``: seconds of turn, ready and work, and of any
-named part a work function marks with ``phase(name)`` (the finish step's
-metrics, trackers and retention). They show where a slow step spends its time
+named part a work function marks with ``tasks.phases.phase(name)`` (the finish
+step's metrics, trackers and retention; a reload's pause, push and continue). They show where a slow step spends its time
 without a profiler (``bench/orchestration.py`` prints them per driver).
 
 Nothing here imports Prefect; the Prefect tasks log the returned result.
@@ -30,10 +30,8 @@ Nothing here imports Prefect; the Prefect tasks log the returned result.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -41,30 +39,13 @@ from typing import Any, Literal
 from tasks import colocate
 from tasks.engines import kill_engine, kill_train_rank0
 from tasks.faults import maybe_fail
+from tasks.phases import phase, step_clock
 from tasks.types import StepResult
 
 Result = dict[str, Any]
 # ``ready`` returns the warnings it met (e.g. a corrupt checkpoint skipped).
 Ready = Callable[[Any, int, "int | None"], list[str]]
 Work = Callable[..., Result]
-# The phases of the step running on this thread: ``run`` sets it for the step's
-# duration and resets it after, so steps on other threads never see each other's.
-_PHASES: ContextVar[dict[str, float] | None] = ContextVar("step_phases", default=None)
-
-
-@contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Add the seconds of the block to the running step's ``phases`` under ``name``
-    (nothing outside a step)."""
-    phases = _PHASES.get()
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        if phases is not None:
-            phases[name] = round(phases.get(name, 0.0) + time.perf_counter() - t0, 4)
-
-
 @dataclass(frozen=True)
 class Step:
     name: str  # ledger key; a per-engine step's key is f"{name}-e{engine_id}"
@@ -101,14 +82,10 @@ def run(ctx, step: Step, k: int, engine_id: int | None = None, **inputs: Any) ->
         if record is not None:
             return {**record["result"], "cached": True, "step_s": record.get("seconds", 0.0)}
     t0 = time.perf_counter()
-    phases: dict[str, float] = {}
-    token = _PHASES.set(phases)
-    try:
+    with step_clock({}) as phases:
         result = step.skip(ctx, k) if step.skip is not None else None
         if result is None:
             result = _execute(ctx, step, k, engine_id, inputs)
-    finally:
-        _PHASES.reset(token)
     if step.result is not None:  # the declared shape, or a loud error before the commit
         result = step.result.model_validate(result).model_dump(exclude_unset=True)
     seconds = round(time.perf_counter() - t0, 4)

@@ -23,6 +23,7 @@ from tasks import faults, retention, runner, tracking
 from tasks.engines import ensure_engine_serves, kill_train_rank0, target_version, transport_for
 from tasks.evaluation import EVALUATE
 from tasks.partial_rollout import ROLLOUT_HEAD, continue_rollout, engines_serve, restarter
+from tasks.phases import phase
 from tasks.rollout_file import named_if_unusable
 from tasks.rollout_services import rollout_io
 from tasks.rollout_versions import continue_source, rollout_source
@@ -100,7 +101,7 @@ def _generate(ctx, k: int, engine_id: int | None) -> Result:
                 restart,
                 io=io,
             )
-    with runner.phase("persist"):
+    with phase("persist"):
         ctx.store.write_rollouts(k, out.batch.to_json())
     return summary(out.batch, gen_s=out.gen_s, reused=False, environment=cfg.rollout.environment)
 
@@ -263,16 +264,16 @@ def _finish(ctx, k: int, engine_id: None, results: dict[str, Result]) -> Result:
         **row_fields(results.get(BASE_EVAL), prefix="eval_base"),
         **tool_row_fields(r.get("tools")),
     }
-    with runner.phase("metrics"):
+    with phase("metrics"):
         ctx.store.append_metrics(k, row)
     # Before the iteration's commit; a tracker skips an iteration it already holds.
-    with runner.phase("trackers"):
+    with phase("trackers"):
         tracking.log_iteration(ctx.cfg, k, row)
     if not ctx.cfg.storage.keep_last:
         return row
     # In the background (tasks.retention): the commit does not wait for deletions.
     # The phase is the wait for the previous iteration's pass, if it is still running.
-    with runner.phase("retention"):
+    with phase("retention"):
         warnings = retention.start(ctx, ctx.cfg.storage.keep_last)  # PPO: the critic's too
     return {**row, "warnings": warnings} if warnings else row
 

@@ -10,6 +10,7 @@ from flows.config import load_config
 from tasks import runner
 from tasks.context import RunContext
 from tasks.faults import InjectedFault
+from tasks.phases import phase
 from tasks.runner import Step
 
 
@@ -121,9 +122,9 @@ def test_the_record_says_where_the_step_spent_its_seconds(tmp_path):
     import time
 
     def work(ctx, k, e):
-        with runner.phase("upload"):
+        with phase("upload"):
             time.sleep(0.05)
-        with runner.phase("upload"):  # a phase entered twice adds up
+        with phase("upload"):  # a phase entered twice adds up
             time.sleep(0.05)
         return {"ok": True}
 
@@ -135,5 +136,5 @@ def test_the_record_says_where_the_step_spent_its_seconds(tmp_path):
     assert set(phases) == {"ready", "work", "upload"}
     assert phases["upload"] >= 0.1 and phases["ready"] >= 0.02
     assert phases["upload"] <= phases["work"] <= record["seconds"]
-    with runner.phase("upload"):  # outside a step: nothing to record, no error
+    with phase("upload"):  # outside a step: nothing to record, no error
         pass
