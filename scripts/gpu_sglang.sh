@@ -11,6 +11,7 @@
 #   bash scripts/gpu_sglang.sh bench     # push beside the seed's, pipeline with SGLang
 #   bash scripts/gpu_sglang.sh test [-k EXPR]  # pytest -m "gpu and sglang"
 #   bash scripts/gpu_sglang.sh smollm2   # SmolLM2 learning on SGLang (GGUF in .gguf*/)
+#   bash scripts/gpu_sglang.sh staleness # SmolLM2 at STALENESS="1 2" with TIS (issue 34)
 #   bash scripts/gpu_sglang.sh eval [JSON]  # evaluate-versions on 0.5B: embedded and SGLang
 #
 # Results go to $OUT (or bench/results when OUT is unset).
@@ -106,15 +107,30 @@ test)
     cat "$OUT/sglang_starts.txt"
     exit "$(cat /tmp/sgltests/rc)"
     ;;
-smollm2)
+smollm2-import)
     mkdir -p ~/.cache/prefect-rl/downloads
     cat /tmp/gguf/part-* >~/.cache/prefect-rl/downloads/SmolLM2-135M-Instruct.Q4_1.gguf
     python3 -m pip install -q --no-index --no-deps --target /tmp/devsite /tmp/gguf/gguf-*.whl
-    python3 -m flows.cli import-model smollm2-135m-instruct || exit 1
+    python3 -m flows.cli import-model smollm2-135m-instruct
+    ;;
+smollm2)
+    bash "$0" smollm2-import || exit 1
     with_site configs/smollm2-gpu.yaml /tmp/smollm2-gpu.yaml
     python3 -m bench.smollm2_learning --config /tmp/smollm2-gpu.yaml \
         --iterations "${ITERATIONS:-60}" 2>&1 | stdbuf -oL tr "\r" "\n" |
         grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tee "$OUT/smollm2_gpu.txt" | tail -80
+    ;;
+staleness)
+    # Issue 34 on a real model: SmolLM2 (after smollm2-import) learning add-2d at each
+    # staleness in STALENESS (default "1 2"), TIS on, no evaluation; reward per wall
+    # second after the first iteration. PARTIAL=1 adds rollout.partial.
+    with_site configs/smollm2-gpu.yaml /tmp/smollm2-gpu.yaml
+    # shellcheck disable=SC2086
+    python3 -m bench.pipeline --config /tmp/smollm2-gpu.yaml --iterations "${ITERATIONS:-16}" \
+        --staleness ${STALENESS:-1 2} ${PARTIAL:+--partial} --set eval.interval=0 \
+        --set run.save_interval=8 --set train.loss.rollout_correction.kind=tis \
+        --out "$OUT/pipeline_smollm2_staleness_cuda.json" 2>&1 |
+        grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tail -14
     ;;
 eval)
     # evaluate-versions throughput on the 0.5B shape (bf16): embedded engine and SGLang,
@@ -131,7 +147,7 @@ eval)
     grep -h "SGLang ready in" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | tail -4
     ;;
 *)
-    echo "usage: $0 setup|sglang|bench|test|smollm2|eval" >&2
+    echo "usage: $0 setup|sglang|bench|test|smollm2|smollm2-import|staleness|eval" >&2
     exit 2
     ;;
 esac
