@@ -8,6 +8,7 @@ matrix (``test_faults.py``, ``test_faults_sigkill.py``) and by ``test_multinode.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,14 @@ def overrides(root: Path, name: str, faults: list[dict] | None = None) -> dict:
         "tasks.retries": 2,
         "tasks.retry_delay_s": [0.1],
         "faults": faults or [],
+        # By hand, PREFECT_RL_DELTA_MATRIX=1: every row (and its reference) with delta
+        # versions, a full one every 4 (not in CI: storage/test_delta.py covers deltas,
+        # test_s3_run.py a run with them on).
+        **(
+            {"weights.delta": "on", "weights.full_every": 4}
+            if os.environ.get("PREFECT_RL_DELTA_MATRIX") == "1"
+            else {}
+        ),
     }
 
 
