@@ -19,8 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engines.embedded.serve import serve_model  # noqa: E402
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -43,6 +41,10 @@ def main() -> None:
         # which would replace SIG_IGN; a blocked signal stays pending in every thread
         # started from here on, whatever handler is installed.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    # Only now: it imports torch and transformers, seconds of CPU that a launch
+    # failing above (--exit-after-start) does not need.
+    from engines.embedded.serve import serve_model
+
     serve_model(args.model_path, args.host, args.port, args.weight_version, api_key=args.api_key)
 
 

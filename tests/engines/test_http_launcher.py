@@ -137,35 +137,41 @@ def test_launcher_passes_the_token_as_api_key_and_never_logs_it(
         eng.stop()
 
 
-def test_sglang_sleep_and_wake_are_idempotent(tmp_path, tiny_dir):
+@pytest.fixture(scope="module")
+def plain_engine(tmp_path_factory, tiny_dir):
+    """One launched stand-in with the default settings, for the tests that only talk to
+    it (a launch is a process importing torch: tens of seconds on a loaded 2-core CI
+    machine). Each such test leaves it awake and serving v0, as it found it."""
+    eng = SGLangEngine(str(tiny_dir), 0, _cfg(tmp_path_factory.mktemp("plain-engine")))
+    try:
+        yield eng
+    finally:
+        eng.stop()
+
+
+def test_sglang_sleep_and_wake_are_idempotent(plain_engine):
     """Colocation wakes an engine that may be awake already; real SGLang 0.5.17 kills its
     scheduler on resuming a tag it never released, so the actor resumes only what it
     released, and reports its state as the embedded engine does."""
-    eng = SGLangEngine(str(tiny_dir), 0, _cfg(tmp_path))
-    try:
-        woke = eng.resume_memory_occupation()  # awake already: nothing is sent
-        assert (woke["state"], woke["changed"]) == ("awake", False)
-        slept = eng.release_memory_occupation(["weights"])
-        assert (slept["state"], slept["changed"]) == ("asleep", True)
-        again = eng.release_memory_occupation(["weights"])
-        assert (again["state"], again["changed"]) == ("asleep", False)
-        assert eng.resume_memory_occupation()["changed"] is True
-        assert eng.resume_memory_occupation()["changed"] is False
-        assert eng.client.health_generate()  # the server lived through all of it
-    finally:
-        eng.stop()
+    eng = plain_engine
+    woke = eng.resume_memory_occupation()  # awake already: nothing is sent
+    assert (woke["state"], woke["changed"]) == ("awake", False)
+    slept = eng.release_memory_occupation(["weights"])
+    assert (slept["state"], slept["changed"]) == ("asleep", True)
+    again = eng.release_memory_occupation(["weights"])
+    assert (again["state"], again["changed"]) == ("asleep", False)
+    assert eng.resume_memory_occupation()["changed"] is True
+    assert eng.resume_memory_occupation()["changed"] is False
+    assert eng.client.health_generate()  # the server lived through all of it
 
 
-def test_an_endpoint_the_server_lacks_names_its_version(tmp_path, tiny_dir):
+def test_an_endpoint_the_server_lacks_names_its_version(plain_engine):
     """An SGLang whose API differs (here: the stand-in has no /get_weights_by_name) is
     named with its version and the API prefect-rl drives, not a bare 404."""
-    eng = SGLangEngine(str(tiny_dir), 0, _cfg(tmp_path))
-    try:
-        with pytest.raises(
-            RuntimeError,
-            match=r"SGLang .+ at http://.+ has no /get_weights_by_name.+drives SGLang 0.5",
-        ):
-            eng.get_weights_by_name("model.embed_tokens.weight")
-        assert eng.get_weight_version() == "0"  # and the engine goes on serving
-    finally:
-        eng.stop()
+    eng = plain_engine
+    with pytest.raises(
+        RuntimeError,
+        match=r"SGLang .+ at http://.+ has no /get_weights_by_name.+drives SGLang 0.5",
+    ):
+        eng.get_weights_by_name("model.embed_tokens.weight")
+    assert eng.get_weight_version() == "0"  # and the engine goes on serving
