@@ -121,9 +121,11 @@ def run_to_exit(
     return proc.returncode, err, left
 
 
-def stop(proc: subprocess.Popen, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+def stop(
+    proc: subprocess.Popen, signals: tuple[int, ...] = (signal.SIGTERM,), grace_s: float = 10
+) -> None:
     """Stop a process started in a session of its own: the given signals to its
-    group, then SIGKILL to whatever is left of its session."""
+    group (``grace_s`` after each), then SIGKILL to whatever is left of its session."""
     for sig in signals:
         if proc.poll() is not None:
             break
@@ -132,7 +134,7 @@ def stop(proc: subprocess.Popen, signals: tuple[int, ...] = (signal.SIGTERM,)) -
         except ProcessLookupError:
             break
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             continue
     if proc.poll() is None:
@@ -287,14 +289,14 @@ class Stack:
             "PREFECT_WORKER_QUERY_SECONDS": "1",
             "PWD": str(ROOT),
         }
-        self.procs: list[tuple[subprocess.Popen, tuple[int, ...]]] = []
+        self.procs: list[tuple[subprocess.Popen, tuple[int, ...], float]] = []
 
     def _spawn(
-        self, name: str, args: list[str], stop_signals=(signal.SIGTERM,)
+        self, name: str, args: list[str], stop_signals=(signal.SIGTERM,), grace_s: float = 10
     ) -> tuple[subprocess.Popen, Path]:
         log = self.workdir / f"{name}.log"
         proc = spawn(args, self.env, log)
-        self.procs.append((proc, stop_signals))
+        self.procs.append((proc, stop_signals, grace_s))
         return proc, log
 
     def start(self) -> Stack:
@@ -339,11 +341,14 @@ class Stack:
     def deploy_and_start_worker(self) -> None:
         self.cli("work-pool", "create", "rl-process", "--type", "process")
         self.cli("--no-prompt", "deploy", "--all")
-        # The worker ignores the first SIGTERM: send it twice, then SIGKILL.
+        # The worker ignores the first SIGTERM (its CLI passes SIGINT on, and the worker
+        # never ended within 10 s of it): send it twice, a second apart, then SIGKILL.
+        # Every flow run it started has finished by then (each test waits for its own).
         proc, log = self._spawn(
             "worker",
             [str(BIN / "prefect"), "worker", "start", "--pool", "rl-process"],
             stop_signals=(signal.SIGTERM, signal.SIGTERM),
+            grace_s=1,
         )
         _wait(lambda: "started" in log.read_text().lower(), "prefect worker", 120, proc, log)
 
@@ -352,8 +357,8 @@ class Stack:
         return log.read_text()[-chars:] if log.exists() else ""
 
     def close(self) -> None:
-        for proc, signals in reversed(self.procs):
-            stop(proc, signals)
+        for proc, signals, grace_s in reversed(self.procs):
+            stop(proc, signals, grace_s)
         if self.own_server:
             self.server.close()
         if self.own_ray:
