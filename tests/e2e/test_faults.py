@@ -98,6 +98,11 @@ def test_storage_outage_longer_than_retries_then_rerun(
         stopped = threading.Event()
 
         def stop_when_train_2_commits() -> None:
+            # Each look is an S3 request to the moto server in this process, which
+            # serves the run too: every 0.5 s until iteration 1 commits, then every
+            # 0.05 s, as before (rollout[2] and train[2] take seconds after it).
+            while not stopped.is_set() and store.read_record(1, "iteration") is None:
+                time.sleep(0.5)
             while not stopped.is_set():
                 if store.read_record(2, "train") is not None:
                     server.stop()

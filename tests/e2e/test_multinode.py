@@ -142,8 +142,13 @@ def healed_run(cluster, stack, s3, work):
 
     def lose_host_a_after_train_2() -> None:
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and store.read_record(2, "train") is None:
-            time.sleep(0.1)
+        # Each look is an S3 request to moto, which serves the run from this process
+        # too: twice a second until iteration 1 commits (minutes: the engines' first
+        # start), then every 0.1 s, as before: rollout[2] and train[2] take seconds
+        # after it, and host A must die right after train[2], before v2 reaches it.
+        for k, step, pause in ((1, "iteration", 0.5), (2, "train", 0.1)):
+            while time.monotonic() < deadline and store.read_record(k, step) is None:
+                time.sleep(pause)
         cluster.lose("host-a")
         lost.set()
         cache = {work / "cache": work / "host-a2" / "cache"}
