@@ -74,7 +74,7 @@ def _baseline(ctx, size: int, n: int, versions: list[int]) -> float:
     (its start and the reload between versions not counted)."""
     from engines.group import EngineGroup
     from rollout.evaluation import EvalConfig, evaluate
-    from tasks.engines import disk_reload
+    from tasks.engine_control import disk_reload
 
     cfg = ctx.cfg
     engines = cfg.engines.model_copy(update={"num_engines": 1})

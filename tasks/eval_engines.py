@@ -17,7 +17,8 @@ from typing import Any
 
 from engines.group import EngineGroup
 from rollout.sharded_eval import ShardScore, score_shard
-from tasks.engines import disk_reload, engine_weights, served_version
+from tasks.engine_control import disk_reload, served_version
+from tasks.engines import engine_weights
 from tasks.eval_plan import EvalPlan
 from tasks.rollout_services import rollout_io
 from tasks.verify import check_serves

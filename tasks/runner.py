@@ -46,6 +46,8 @@ Result = dict[str, Any]
 # ``ready`` returns the warnings it met (e.g. a corrupt checkpoint skipped).
 Ready = Callable[[Any, int, "int | None"], list[str]]
 Work = Callable[..., Result]
+
+
 @dataclass(frozen=True)
 class Step:
     name: str  # ledger key; a per-engine step's key is f"{name}-e{engine_id}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from rollout.procedure import VersionMismatch
-from tasks.engines import served_version
+from tasks.engine_control import served_version
 
 __all__ = ["VersionMismatch", "check_serves", "now", "rollout_version"]
 

@@ -84,9 +84,9 @@ ELSEWHERE = {
     "model.path": "tasks/prepare.py",  # resolved once into RunContext.base_model_path
     "model.warm_start": "tasks/prepare.py",  # builds the tiny base RunContext points at
     "weights.transport": "tasks/engines.py",  # passed to TrainGroup.push_weights
-    "weights.bucket_bytes": "tasks/engines.py",  # passed to TrainGroup.push_weights
+    "weights.bucket_bytes": "tasks/engine_control.py",  # passed to TrainGroup.push_weights
     "weights.publish_interval": "tasks/steps.py",
-    "weights.flush_cache_interval": "tasks/engines.py",
+    "weights.flush_cache_interval": "tasks/engine_control.py",
     # tracking.*: the tracker module reads them when the finish step logs a row.
     "tracking.tensorboard.enabled": "tasks/tracking.py",
     "tracking.tensorboard.log_dir": "tasks/tracking.py",
