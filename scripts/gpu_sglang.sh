@@ -47,7 +47,8 @@ sglang)
     PYTHONPATH=$SITE python3 -c "import sglang; print('sglang', sglang.__version__)"
     ;;
 bench)
-    # BENCH_PUSH=1 adds the push beside the seed's (bench.sglang_push, ~60 s).
+    # BENCH_PUSH=1 adds the push beside the seed's (bench.sglang_push, ~60 s); BENCH_TIS=0
+    # leaves out staleness 2 and 4 (~200 s).
     if [ "${BENCH_PUSH:-0}" = 1 ]; then
         python3 -m bench.sglang_push --sglang "$SITE" --out "$OUT/sglang_push_cuda.json" 2>&1 |
             grep -v "server_args\|Writing model\|Loading weights"
@@ -58,12 +59,14 @@ bench)
     python3 -m bench.pipeline --config /tmp/gpu-0.5b-sglang.yaml --iterations 12 \
         --staleness 0 1 --set run.save_interval=5 --out "$OUT/pipeline_sglang_cuda.json" 2>&1 |
         grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tail -12
+    grep -h "SGLang ready in" /tmp/ray/session_*/logs/worker-*.err 2>/dev/null | tail -4
+    python3 scripts/sglang_start_phases.py "${TMPDIR:-/tmp}"/prefect-rl-sglang-* 2>/dev/null | tail -4
+    [ "${BENCH_TIS:-1}" = 1 ] || exit 0
     python3 -m bench.pipeline --config /tmp/gpu-0.5b-sglang.yaml --iterations 16 \
         --staleness 2 4 --set run.save_interval=5 --set train.loss.rollout_correction.kind=tis \
         --out "$OUT/pipeline_sglang_tis_cuda.json" 2>&1 |
         grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tail -12
-    grep -h "SGLang ready in" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | tail -6
-    python3 scripts/sglang_start_phases.py "${TMPDIR:-/tmp}"/prefect-rl-sglang-* 2>/dev/null | tail -30
+    grep -h "SGLang ready in" /tmp/ray/session_*/logs/worker-*.err 2>/dev/null | tail -4
     ;;
 test)
     # One pytest run may outlast one call (8 SGLang starts, ~600 s): the first `test`
