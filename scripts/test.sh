@@ -9,14 +9,14 @@ export RAY_AUTH_MODE=disabled PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_S
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 set +e
-# Four workers, whole files each (a file's module fixtures, such as a Prefect
-# server and worker, start once): the suite mostly waits on processes and Ray
-# (with three, pytest's user+sys time was about 40% of two cores), so four
-# share two cores well.
+# Three workers, whole files each (a file's module fixtures, such as a Prefect
+# server and worker, start once). The suite now keeps both cores busy (1697 CPU s
+# in an 889 s run with four workers): on a quiet machine three took 787 s of pytest
+# where four took 803-841 s, with one Ray cluster and Prefect server fewer.
 # Each worker has its own Ray cluster. Files go out longest first, in
 # tests/conftest.py's order (LONGEST_FILES), not xdist's most-tests-first.
-# `bash scripts/test.sh -n 2` overrides the worker count.
-.venv/bin/python -m pytest -m "not gpu" -n 4 --dist loadfile --no-loadscope-reorder \
+# `bash scripts/test.sh -n 4` overrides the worker count.
+.venv/bin/python -m pytest -m "not gpu" -n 3 --dist loadfile --no-loadscope-reorder \
     --durations=20 "$@"
 rc=$?
 set -e

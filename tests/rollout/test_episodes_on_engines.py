@@ -5,11 +5,13 @@ prompt longer than the context, refused by the engine."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import pytest
 import ray
 
+from engines.client import EngineClient, EngineHTTPError
 from engines.config import EngineConfig
 from engines.group import EngineGroup
 from rollout.config import RolloutConfig
@@ -52,6 +54,16 @@ class KillAfterFirstTurn(EngineTurns):
         if engine == 0 and not self.killed:
             self.killed = True
             ray.kill(self._group_handle(0), no_restart=True)
+            # ray.kill returns before the process is gone: until then its HTTP server
+            # still answers, and under load engine 0's next turn could be served
+            deadline = time.monotonic() + 60
+            with EngineClient(self._url0, timeout_s=5, retries=0) as client:
+                while time.monotonic() < deadline:
+                    try:
+                        client.model_info()
+                    except (EngineHTTPError, TimeoutError):
+                        break
+                    time.sleep(0.05)
         return out
 
 
@@ -94,7 +106,7 @@ def test_an_engine_killed_mid_episode_is_replaced_by_another_and_the_batch_is_un
     clean = rollout(cfg, clean_turns, FailureLog(cfg.failures, 1, 8))
     clean_turns.close()
     killer = KillAfterFirstTurn(group.client, [0, 1], group.is_alive, lambda i: None)
-    killer._group_handle = group.handle
+    killer._group_handle, killer._url0 = group.handle, group.urls()[0]
     log = FailureLog(cfg.failures, 1, 8)
     batch = rollout(cfg, killer, log)
     killer.close()
