@@ -31,16 +31,17 @@ MILESTONES = [
 
 
 def starts(text: str) -> list[list[tuple[datetime, str]]]:
-    """The log's timestamped lines, cut into one list per start."""
+    """The log's timestamped lines, cut into one list per start (each begins at its
+    ``server_args`` line; the warnings logged before it are left out)."""
     out: list[list[tuple[datetime, str]]] = []
     for line in text.splitlines():
         m = STAMP.match(line)
         if not m:
             continue
-        at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")
-        if "server_args=" in line or not out:
+        if "server_args=" in line:
             out.append([])
-        out[-1].append((at, line))
+        if out:
+            out[-1].append((datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"), line))
     return out
 
 
