@@ -216,8 +216,11 @@ class EngineClient:
     def pause_generation(self, mode: str = "abort") -> dict:
         return self._json("POST", "/pause_generation", {"mode": mode})
 
-    def continue_generation(self) -> dict:
-        return self._json("POST", "/continue_generation", {})
+    def continue_generation(self, torch_empty_cache: bool = True) -> dict:
+        """Resume. ``torch_empty_cache`` (SGLang's default, True): the server's scheduler
+        returns its allocator's cached blocks to the driver first, which the next
+        batch then allocates again; the embedded engine ignores it."""
+        return self._json("POST", "/continue_generation", {"torch_empty_cache": torch_empty_cache})
 
     def flush_cache(self) -> bool:
         """True if flushed; False if refused because requests are running (SGLang's 400)."""

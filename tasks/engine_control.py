@@ -2,6 +2,9 @@
 where it may load weights from, its client, the version it serves, and a weight
 update bracketed by pause and continue, from a folder (``disk_reload``) or pushed
 from the trainer (``push_update``), each part timed in the step's ``phases``.
+An engine continues with its allocator's cache kept unless it shares its devices
+with the trainer: SGLang's default (``torch_empty_cache``) hands every cached block
+back to the driver at each continue, and the next rollout allocates them again.
 
 Which version an engine must serve and by which transport is ``tasks.engines``'.
 """
@@ -13,6 +16,7 @@ import os
 
 import ray
 
+from tasks import colocate
 from tasks.phases import phase
 
 log = logging.getLogger("prefect_rl.engines")
@@ -74,7 +78,7 @@ def disk_reload(ctx, group, engine_id: int, v: int, path: str) -> None:
                 )
         finally:
             with phase("continue"):
-                client.continue_generation()
+                client.continue_generation(torch_empty_cache=colocate.colocated(ctx))
     if not reply.get("success"):
         raise RuntimeError(f"engine {engine_id} refused v{v} from {path}: {reply.get('message')}")
 
@@ -106,7 +110,7 @@ def push_update(ctx, group, trainer, engine_id: int, v: int) -> dict:
                 client.end_weight_update()
         finally:
             with phase("continue"):
-                client.continue_generation()
+                client.continue_generation(torch_empty_cache=colocate.colocated(ctx))
     return out
 
 
