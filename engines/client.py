@@ -113,7 +113,15 @@ class EngineClient:
                 kwargs["timeout"] = httpx.Timeout(min(self.timeout_s, left), connect=min(5.0, left))
             try:
                 resp = self._http.request(method, path, json=json, **kwargs)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
+            # A server that is not there, or that dies mid-reply (its connection closed or
+            # reset): the same for every caller, retried as far as it allows.
+            except (
+                httpx.ConnectError,
+                httpx.ConnectTimeout,
+                httpx.RemoteProtocolError,
+                httpx.ReadError,
+                httpx.WriteError,
+            ) as e:
                 if last:
                     raise EngineHTTPError(0, f"unreachable: {e}", path) from e
             except httpx.TimeoutException:  # never retried: the request may be running

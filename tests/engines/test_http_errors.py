@@ -140,3 +140,36 @@ def test_client_retries_transient_errors_only():
         dead.model_info()
     assert e.value.status == 0
     assert dead.health() is False
+
+
+def test_a_server_that_resets_the_connection_is_unreachable_not_a_crash():
+    """A server process dying mid-reply resets the connection (as a killed engine's
+    does): the caller gets EngineHTTPError (status 0), which the rollout retries on
+    another engine, not httpx's own error."""
+    import socket
+    import struct
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+
+    def reset_each() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.recv(65536)  # the request arrived; the process dies before it answers
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # linger 0: RST, "connection reset by peer" at the client
+
+    threading.Thread(target=reset_each, daemon=True).start()
+    try:
+        with EngineClient(f"http://127.0.0.1:{port}", retries=1, backoff_s=0.01) as client:
+            with pytest.raises(EngineHTTPError) as e:
+                client.model_info()
+        assert e.value.status == 0 and "unreachable" in e.value.message
+    finally:
+        listener.close()

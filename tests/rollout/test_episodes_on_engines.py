@@ -61,7 +61,7 @@ class KillAfterFirstTurn(EngineTurns):
                 while time.monotonic() < deadline:
                     try:
                         client.model_info()
-                    except (EngineHTTPError, TimeoutError):
+                    except (EngineHTTPError, TimeoutError):  # refused or reset: gone
                         break
                     time.sleep(0.05)
         return out
