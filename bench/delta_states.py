@@ -18,7 +18,6 @@ bytes, and the fraction of values each step changed.
 from __future__ import annotations
 
 import os
-import random
 import tempfile
 import time
 from typing import Any
@@ -120,29 +119,6 @@ def tiny_states(steps: int, dtype: str) -> tuple[list[list[TensorEntry]], list[f
     return _torch_states(states)
 
 
-def _rollouts(k: int, vocab: int, prompts: int, n: int, plen: int, rlen: int) -> Any:
-    """A GRPO batch of random tokens; rewards alternate within each prompt's group, so
-    every group has a non-zero advantage (as a learning run's batches do)."""
-    from rollout.types import RolloutBatch, Sample
-
-    rng = random.Random(k)
-    samples = [
-        Sample(
-            p,
-            j,
-            [1] + [rng.randrange(4, vocab) for _ in range(plen - 1)],
-            [rng.randrange(4, vocab) for _ in range(rlen)],
-            [-1.0] * rlen,
-            float(j % 2),
-            k - 1,
-            "length",
-        )
-        for p in range(prompts)
-        for j in range(n)
-    ]
-    return RolloutBatch(k, n, samples)
-
-
 def real_states(
     steps: int, lr: float, device: str
 ) -> tuple[list[list[TensorEntry]], list[float], dict[str, Any]]:
@@ -150,6 +126,7 @@ def real_states(
     as host bf16 copies, with the changed fractions and what the steps were."""
     import torch
 
+    from bench.train_step import rollouts
     from storage.config import StorageConfig
     from storage.run_store import RunStore
     from training.config import (
@@ -171,7 +148,8 @@ def real_states(
         store = RunStore(store_cfg, "real")
         vocab = 151936
         for k in range(1, steps + 1):
-            store.write_rollouts(k, _rollouts(k, vocab, prompts, n, plen, rlen).to_json())
+            batch = rollouts(k, vocab, prompts, n, plen, rlen, alternate=True)
+            store.write_rollouts(k, batch.to_json())
         cfg = TrainConfig(
             backend="torch",
             lr=lr,

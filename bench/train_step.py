@@ -89,23 +89,34 @@ def write_qwen2_05b(out: Path) -> Path:
 MODELS = {"tiny-llama": write_tiny_model, "qwen2-19m": write_qwen2, "qwen2-0.5b": write_qwen2_05b}
 
 
-def rollouts(k: int, vocab: int) -> RolloutBatch:
+def rollouts(
+    k: int,
+    vocab: int,
+    prompts: int = PROMPTS,
+    n: int = N,
+    prompt_len: int = PROMPT_LEN,
+    response_len: int = RESPONSE_LEN,
+    alternate: bool = False,
+) -> RolloutBatch:
+    """A GRPO batch of random tokens for iteration ``k`` (its own seed). Rewards are
+    random, or with ``alternate`` 0, 1, 0, ... within each prompt's group, so that every
+    group has a non-zero advantage (as a learning run's batches do)."""
     rng = random.Random(k)
     samples = [
         Sample(
             p,
             j,
-            [1] + [rng.randrange(4, vocab) for _ in range(PROMPT_LEN - 1)],
-            [rng.randrange(4, vocab) for _ in range(RESPONSE_LEN)],
-            [-1.0] * RESPONSE_LEN,
-            float(rng.random() < 0.5),
+            [1] + [rng.randrange(4, vocab) for _ in range(prompt_len - 1)],
+            [rng.randrange(4, vocab) for _ in range(response_len)],
+            [-1.0] * response_len,
+            float(j % 2) if alternate else float(rng.random() < 0.5),
             k - 1,
             "length",
         )
-        for p in range(PROMPTS)
-        for j in range(N)
+        for p in range(prompts)
+        for j in range(n)
     ]
-    return RolloutBatch(k, N, samples)
+    return RolloutBatch(k, n, samples)
 
 
 def bench_model(
