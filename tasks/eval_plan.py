@@ -5,8 +5,9 @@ Owns the version selection (``select_versions``: a list ``1,3,5``, a range
 committed (a manifest that reads) and the ``EvalPlan``: the evaluated prompts
 split into shards, the engines' own group, and the identity of every shard's
 result (``shard_key``: run, version and its manifest, the evaluated prompts'
-content digest, shard, and ``EvalSettings``: sampling, reward and the engines). Reading only: it never writes into the run, takes no
-lease and starts nothing. No Prefect.
+content digest, shard, and ``EvalSettings``: sampling, reward and the engines).
+Reading only: it never writes into the run, takes no lease and starts nothing.
+No Prefect.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ tasks on the cluster: ``load_version`` asks for no CPU (it waits on an engine),
 ``evaluate_shard`` for ``shard_cpus`` CPUs and never a GPU (the engines hold the
 GPUs; scoring is CPU work). A shard's result is persisted and cached under
 ``EvalPlan.shard_key`` (run, version and its manifest, prompts' digest, shard,
-``EvalSettings``: sampling, reward, engines), so a rerun with the same parameters shows finished shards as Cached
-and runs only the rest; a failed shard is retried alone (``retries``). The work
-is ``tasks.eval_engines``; this module only wraps it.
+``EvalSettings``: sampling, reward, engines), so a rerun with the same parameters
+shows finished shards as Cached and runs only the rest; a failed shard is retried
+alone (``retries``). The work is ``tasks.eval_engines``; this module only wraps it.
 """
 
 from __future__ import annotations
