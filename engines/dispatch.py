@@ -17,8 +17,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from engines import deadline
-from engines.embedded.engine import EngineDeadError
-from engines.types import GenerateResult
+from engines.types import EngineDeadError, GenerateResult
 
 RestartFn = Callable[[int], None]
 

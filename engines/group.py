@@ -39,7 +39,6 @@ from engines.actor_history import ran_before
 from engines.client import EngineClient
 from engines.config import EngineConfig
 from engines.dispatch import RolloutDispatch
-from engines.embedded.engine import actor_class
 from engines.node_pull import pull_on_node
 from engines.placement import SharedPlacement, pinned, unplaceable
 from storage.config import StorageConfig
@@ -217,6 +216,10 @@ class EngineGroup(RolloutDispatch):
 
             cls = sglang_actor_class()
         else:
+            # Imported here, like SGLang's: the module brings torch and transformers,
+            # which a process that only imports the group (a flow) must not load.
+            from engines.embedded.engine import actor_class
+
             cls = actor_class()
         # ray.kill is asynchronous: the old actor's name can stay taken for a
         # moment after a kill, so retry the named creation briefly.

@@ -24,6 +24,11 @@ PauseMode = Literal["abort", "in_place", "retract"]
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 
+class EngineDeadError(RuntimeError):
+    """The engine's decode loop has died; the engine must be restarted. Raised in an
+    embedded engine's actor, caught by the driver's dispatch (``engines.dispatch``)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling settings (SGLang's `sampling_params` keys)."""

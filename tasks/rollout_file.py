@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from storage.layout import iter_name
-from training.batch import UnusableRollout
+from training.types import UnusableRollout
 
 
 def regenerate_hint(ctx, k: int) -> str:

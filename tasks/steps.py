@@ -38,7 +38,7 @@ from tasks.types import (
     VerifyRecord,
 )
 from tasks.verify import check_serves, now, rollout_version
-from training.correction import MISMATCH_METRICS
+from training.types import MISMATCH_METRICS
 
 __all__ = [
     "EVALUATE",

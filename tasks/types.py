@@ -128,7 +128,7 @@ class IterationRow(StepResult):
     reward_mean: float
     loss: float | None
     kl: float | None
-    # The engines' logprobs against the trainer's (training.correction.MISMATCH_METRICS);
+    # The engines' logprobs against the trainer's (training.types.MISMATCH_METRICS);
     # None in rows of a trainer that does not report them.
     rollout_logprob_abs_diff: float | None = None
     rollout_logprob_kl: float | None = None

@@ -13,7 +13,7 @@ Contracts:
   lists corrupt checkpoints it skipped, for the caller to show.
 - ``TrainActor.train_step(k)`` needs trainer state k-1 (else StateMismatchError)
   and rollouts k in the run store; it never generates. Rewards that give a
-  non-finite advantage are refused before any step (``batch.UnusableRollout``;
+  non-finite advantage are refused before any step (``types.UnusableRollout``;
   ``tasks.rollout_file`` names the file and how to regenerate it).
 - Same config + same world size on CPU -> byte-identical weights.
 - Imports torch, transformers, ray and ``storage``; never Prefect.

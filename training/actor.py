@@ -25,10 +25,10 @@ from training.algorithm import policy_loss
 from training.background_save import CHECKPOINT_LOST, VERSION_LOST, BackgroundSaver
 from training.batch import build_train_batch, rank_micro_batches
 from training.config import RunIdentity, TrainerSections
-from training.correction import MISMATCH_METRICS as MISMATCH
 from training.durable import DurableState
 from training.export import drop_tied
 from training.host_staging import HostStaging
+from training.types import MISMATCH_METRICS as MISMATCH
 
 
 class StateMismatchError(RuntimeError):

@@ -25,13 +25,7 @@ import torch
 from rollout.types import RolloutBatch
 from training.algorithm import filter_loss_mask, sample_advantages
 from training.config import LossConfig, TrainConfig
-
-
-class UnusableRollout(ValueError):
-    """A rollout batch whose rewards give no finite advantage (a reward beyond
-    float32, or one whose sums overflow). Training on it would make the weights
-    NaN, and a persisted batch is reused by every retry: the caller names its file
-    and how to generate it again."""
+from training.types import UnusableRollout
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,6 @@ import torch
 
 from training.losses import k3_kl
 
-# What a train step reports of the mismatch, each a mean over response tokens; the
-# iteration's metrics row shows them (tasks.steps).
-MISMATCH_METRICS = ("rollout_logprob_abs_diff", "rollout_logprob_kl", "rollout_correction_frac")
-
 
 def log_ratio(
     logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor

@@ -38,15 +38,11 @@ import torch
 
 from engines.embedded.decode import RETRACT, ModelRunner, Retract, Row, decode
 from engines.embedded.engine_ranks import TPRunner
-from engines.types import GenerateResult, PauseMode, SamplingParams
+from engines.types import EngineDeadError, GenerateResult, PauseMode, SamplingParams
 
 log = logging.getLogger(__name__)
 
 _control = ray.method(concurrency_group="control")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine's decode loop has died; the engine must be restarted."""
 
 
 @dataclass
