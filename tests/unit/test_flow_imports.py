@@ -1,9 +1,11 @@
-"""A flow's process imports no torch and no transformers: every deployment run,
-``prefect-rl`` command and rerun starts a fresh process that imports the flow
-modules, and the flow side only names and calls the trainer and the engines
-(Ray actors, which import torch themselves). Torch and transformers cost some
-2.5 CPU seconds per process; an import of a torch module for a type, a constant
-or an error class brings them back."""
+"""Importing a flow's modules loads no torch and no transformers (about 2.5 CPU s
+a process). Every ``prefect deploy``, deployment run, ``prefect-rl`` command and
+rerun imports them in a fresh process; one that never touches an engine or the
+trainer (a refused run, ``prefect deploy``) then never pays for them. A process
+that does still loads both on its first engine or trainer: Ray imports an actor's
+class to create it or to make its handle (``ray.get_actor``), and the tokenizer
+imports transformers. An import of a torch module for a type, a constant or an
+error class brings them back into every process."""
 
 from __future__ import annotations
 
