@@ -140,10 +140,21 @@ def record_serving(
     version: int,
     guard: Callable[[], None] | None = None,
 ) -> None:
+    """Point engine ``engine_id``'s serving record at ``version``. A record that already
+    says so is left as it is: every step that needs an engine on a version records it
+    (the rollout after the reload did), and each write is a synced file on the
+    iteration's critical path (0.02-0.11 s on the H100's disk)."""
+    path = join(engines_dir, engine_name(engine_id))
+    try:
+        held = read_json(fs, path)
+    except StorageError:  # damaged: rewritten below
+        held = None
+    if isinstance(held, dict) and _is_int(held.get("version")) and held["version"] == version:
+        return
     rec: dict[str, Any] = {"engine_id": engine_id, "version": version, "updated_at": time.time()}
     if guard is not None:
         guard()
-    write_bytes(fs, join(engines_dir, engine_name(engine_id)), dumps(rec))
+    write_bytes(fs, path, dumps(rec))
 
 
 def serving_versions(fs: fsspec.AbstractFileSystem, engines_dir: str) -> dict[int, int]:

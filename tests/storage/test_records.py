@@ -64,3 +64,18 @@ def test_serving_records(store):
     store.record_serving(1, 2)
     store.record_serving(0, 4)
     assert store.serving_versions() == {0: 4, 1: 2}
+
+
+def test_serving_record_already_on_the_version_is_not_rewritten(store):
+    """Each step that needs an engine on v records it; only a change is written (a synced
+    file on the iteration's critical path), and a damaged record is written again."""
+    path = store.url + "/engines/engine_000.json"
+    store.record_serving(0, 3)
+    first = store.fs.cat_file(path)
+    store.record_serving(0, 3)
+    assert store.fs.cat_file(path) == first  # same bytes: its updated_at was not touched
+    store.record_serving(0, 4)
+    assert store.serving_versions() == {0: 4}
+    store.fs.pipe_file(path, b"{torn")
+    store.record_serving(0, 4)
+    assert store.serving_versions() == {0: 4}
