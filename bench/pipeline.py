@@ -149,7 +149,20 @@ def run_one(
     # Where each step's seconds go (tasks.runner.phase), e.g. the finish step's retention.
     medians = step_medians(store, list(range(skip + 1, last + 1)))
     row["phases_s"] = {key: s for key, s in medians.items() if "." in key}
+    row["engine_starts_s"] = engine_starts(store, n)
     return row
+
+
+def engine_starts(store, iterations: int) -> list[float]:
+    """Seconds of each engine start in the run, from start to ready to serve (the
+    ``start`` phase of the step that started it: the first rollout's, or a revival's)."""
+    out = []
+    for k in range(1, iterations + 1):
+        for key in store.committed_steps(k):
+            phases = (store.read_record(k, key) or {}).get("phases") or {}
+            if "start" in phases:
+                out.append(phases["start"])
+    return out
 
 
 def main() -> None:
@@ -192,6 +205,9 @@ def main() -> None:
         shown = ", ".join(f"{key} {s:.3f}" for key, s in top)
         print(f"staleness {r['max_staleness']}, phases (median s): {shown}")
         print(f"staleness {r['max_staleness']}, ledger writes per iteration: {r['commit_s']:.3f} s")
+        print(
+            f"staleness {r['max_staleness']}, engine starts (s, to ready): {r['engine_starts_s']}"
+        )
     print("| staleness | partial | run wall s | reward first 5 | last 5 | gain per wall s |")
     print("|---" * 6 + "|")
     for r in rows:  # learning per wall-clock second, each row beside staleness 0's

@@ -118,7 +118,9 @@ class Transport:
 
     def revive(self, ctx, group, engine_id: int, v: int) -> None:
         """Restart the dead engine ``engine_id`` on version v."""
-        group.restart(engine_id, engine_weights(ctx, group, engine_id, v).path, v)
+        path = engine_weights(ctx, group, engine_id, v).path
+        with phase("start"):  # the engine's start, ready to serve
+            group.restart(engine_id, path, v)
 
 
 class DiskTransport(Transport):
@@ -228,7 +230,8 @@ def disk_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool = 
     if not group.is_alive(engine_id):
         if group.ran_before(engine_id):  # else its first start: the group logs "starting"
             log.warning("engine %d is not alive; restarting it on v%d", engine_id, v)
-        group.restart(engine_id, weights.path, v)
+        with phase("start"):  # the engine's start, ready to serve
+            group.restart(engine_id, weights.path, v)
         memory = colocate.for_update(ctx, engine_id, push=False)  # the new one's state
     elif force_reload or served_version(ctx, group, engine_id) != str(v):
         disk_reload(ctx, group, engine_id, v, weights.path)
@@ -254,7 +257,9 @@ def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) 
                 "engine %d is not alive; restarting it on v%d, then pushing v%d", engine_id, base, v
             )
         colocate.for_update(ctx, engine_id, push=False)  # room for the new engine
-        group.restart(engine_id, engine_weights(ctx, group, engine_id, base).path, base)
+        path = engine_weights(ctx, group, engine_id, base).path
+        with phase("start"):  # the engine's start, ready to serve
+            group.restart(engine_id, path, base)
         memory = colocate.wake_engine(ctx, engine_id)  # the new one's state
     push = None
     with phase("served"):
