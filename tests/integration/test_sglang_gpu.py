@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from flows.config import load_config
 from flows.driver import run_plain
+from tasks import lease as run_lease
 from tasks.engines import kill_engine
 from tasks.prepare import prepare_run
 
@@ -152,7 +153,7 @@ def test_tensor_push_lands_bit_exact_and_is_timed(ray_cluster, tmp_path, llama):
     finally:
         trainer.shutdown()
         group.shutdown()
-        ctx.store.release_lease(ctx.owner)
+        run_lease.release(ctx)  # stops the renewals prepare_run started, then releases
 
 
 def test_distributed_on_one_gpu_is_refused_before_the_run(tmp_path, qwen):
