@@ -53,9 +53,10 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 def publish_perturbed(ctx, v: int, work: Path) -> None:
     """Commit version v of the run as v0's weights plus seeded noise (no training: an
-    evaluation takes any committed version); ``work`` holds the new weights file."""
-    src = ctx.store.local_version_dir(0)
+    evaluation takes any committed version); ``work`` holds the new weights file (and,
+    on an object-store root, v0's verified pull)."""
     work.mkdir(parents=True)
+    src = ctx.store.local_version_dir(0) or ctx.store.pull_version(0, str(work / "pulled"))
     gen = torch.Generator().manual_seed(v)
     tensors = load_file(f"{src}/model.safetensors")
     noisy = {

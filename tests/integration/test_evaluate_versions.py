@@ -1,10 +1,17 @@
 """The evaluate-versions flow on the session's Ray cluster and Prefect server: two
-versions of a tiny run, four shards on prefect-ray's RayTaskRunner, two engines of
-its own; the numbers equal a single-process evaluation (``rollout.evaluation``
-with an engine in this process); a shard whose reward fails is retried alone; a
-rerun reuses every shard and starts no engine; the run's tracker (TensorBoard)
-gets each version's numbers; a version that does not exist is refused before any
-engine starts.
+versions of a tiny run on an object store (``storage.root: s3://...`` on moto's
+HTTP S3 server, ``weights.transport: object-store``), four shards on prefect-ray's
+RayTaskRunner, two engines of its own, which load each version from a verified
+pull into their node cache (``engines.local_cache_dir``); the numbers equal a
+single-process evaluation (``rollout.evaluation`` with an engine in this process,
+on its own verified pull); a shard whose reward fails is retried alone; a rerun
+reuses every shard (its result persisted on S3) and starts no engine; the
+evaluation writes its record ``evals/<label>.json`` (and Prefect's shard results)
+into the run and nothing else, its versions untouched; the run's tracker
+(TensorBoard, a local folder) gets each version's numbers; a version that does
+not exist is refused before any engine starts. The local-disk path (engines
+loading the version folders themselves) is the e2e deployment test's
+(tests/e2e/test_deployments.py::test_evaluate_versions_runs_as_a_deployment).
 
 The run's engines decode one row at a time (engines.max_batch_size 1): on CPU a
 row's numbers change in their last bits with what it is batched with, and the
@@ -12,19 +19,30 @@ sharded evaluation batches other rows together than the single-process one."""
 
 from __future__ import annotations
 
+import json
+import os
 import uuid
 
 import pytest
 
 from tests.integration.eval_rewards import FAULTS, marker
+from tests.s3_server import make_bucket, moto_s3
 
 SIZE, SHARD, N = 8, 2, 2  # 8 prompts in 4 shards, pass@2
 
 
 @pytest.fixture(scope="module")
-def eval_run(ray_cluster, tmp_path_factory):
-    """A tiny run with v0 (prepare_run) and v1, v2 published as perturbed copies of
-    it (no training: what is evaluated is any committed version); no lease held."""
+def s3_url():
+    with moto_s3() as url:
+        make_bucket(url, "rl-evals")
+        yield url
+
+
+@pytest.fixture(scope="module")
+def eval_run(ray_cluster, s3_url, tmp_path_factory):
+    """A tiny run on S3 with v0 (prepare_run) and v1, v2 published as perturbed
+    copies of it (no training: what is evaluated is any committed version); no
+    lease held. Its engines' cache and TensorBoard folder are local."""
     from bench.evaluation import publish_perturbed
     from flows.config import load_config
     from tasks import lease as run_lease
@@ -39,12 +57,16 @@ def eval_run(ray_cluster, tmp_path_factory):
     name = f"eval-{uuid.uuid4().hex[:6]}"
     over = {
         "run.name": name,
-        "storage.root": str(tmp / "runs"),
+        "storage.root": "s3://rl-evals/runs",
+        "storage.s3.endpoint_url": s3_url,
+        "weights.transport": "object-store",
+        "engines.local_cache_dir": str(tmp / "engine-cache"),
         "engines.num_cpus_per_engine": 0.5,
         "engines.max_batch_size": 1,
         "eval.pass_threshold": 0.5,  # about half the answers pass (eval_rewards)
         "rollout.max_new_tokens": 4,
         "tracking.tensorboard.enabled": True,  # the run's tracker: the evaluation logs to it
+        "tracking.tensorboard.log_dir": str(tmp / "tensorboard"),  # an s3 root needs one
     }
     ctx = prepare_run(load_config(config, over))
     for v in (1, 2):
@@ -57,6 +79,7 @@ def _params(ctx, **extra):
     return dict(
         run_name=ctx.run_name,
         storage_root=ctx.cfg.storage.root,
+        s3_endpoint_url=ctx.cfg.storage.s3.endpoint_url,
         dataset="reverse",
         size=SIZE,
         n_samples=N,
@@ -78,13 +101,14 @@ def _eval_actors(ctx) -> list[str]:
     ]
 
 
-def _single_process(ctx, v: int) -> dict:
-    """rollout.evaluation.evaluate on an embedded engine in this process."""
+def _single_process(ctx, v: int, cache) -> dict:
+    """rollout.evaluation.evaluate on an embedded engine in this process, on version v
+    pulled (verified) into ``cache``: a folder apart from the evaluation's engines'."""
     from engines.embedded.engine import EmbeddedEngine
     from rollout.evaluation import EvalConfig, evaluate
 
     cfg = ctx.cfg
-    engine = EmbeddedEngine(ctx.store.local_version_dir(v), 0, cfg.engines, weight_version=v)
+    engine = EmbeddedEngine(ctx.store.pull_version(v, str(cache)), 0, cfg.engines, weight_version=v)
 
     def generate_groups(prompts, n, sampling, seeds, restart_fn=None):
         rows = [p for p in prompts for _ in range(n)]
@@ -101,9 +125,18 @@ def _tensorboard(ctx, tag: str) -> list[tuple[int, float]]:
     """(step, value) of ``tag`` in the run's TensorBoard event files."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    folder = f"{ctx.cfg.storage.root}/{ctx.run_name}/tensorboard"
-    acc = EventAccumulator(folder, purge_orphaned_data=False).Reload()
+    acc = EventAccumulator(ctx.cfg.tracking.tensorboard.log_dir, purge_orphaned_data=False)
+    acc.Reload()
     return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def _run_objects(ctx) -> dict[str, tuple[int, str]]:
+    """(size, ETag) of every object of the run on S3 but what an evaluation may
+    write: its record (``evals/``) and Prefect's shard results."""
+    store = ctx.store
+    found = store.fs.find(store.url, detail=True)
+    mine = (f"{store.url}/evals/", f"{store.url}/prefect-results/")
+    return {p: (i["size"], i["ETag"]) for p, i in found.items() if not f"s3://{p}".startswith(mine)}
 
 
 def _task_runs(flow_run_id) -> dict[str, object]:
@@ -130,12 +163,16 @@ def test_a_missing_version_is_refused_before_any_engine_starts(eval_run, prefect
 
 
 def test_two_versions_in_shards_equal_one_process_and_a_failed_shard_is_retried_alone(
-    eval_run, prefect_api
+    eval_run, prefect_api, tmp_path
 ):
     from flows.evaluation import evaluate_versions
+    from storage import verify_dir
     from tasks.eval_plan import evaluated_prompts
 
     ctx = eval_run
+    objects = _run_objects(ctx)  # the versions, run.json, ledger: the evaluation reads them
+    manifests = {v: ctx.store.read_manifest(v) for v in ctx.store.committed_versions()}
+    assert any("/weights/v000002/" in p for p in objects)
     prompts = evaluated_prompts(ctx, "reverse", SIZE)
     target = prompts[2 * SHARD]  # the first prompt of shard 2
     assert [p.label for p in prompts].count(target.label) == 1
@@ -155,15 +192,24 @@ def test_two_versions_in_shards_equal_one_process_and_a_failed_shard_is_retried_
     assert len(loads) == 4  # each version on each of the 2 engines
 
     keys = ("pass_at_1_greedy", "pass_at_1", "pass_at_k")
+    # The engines loaded verified pulls in the local cache (an s3 root: engines may
+    # load from nowhere else, tasks.engine_control.allowed_roots).
+    cache = f"{ctx.cfg.engines.local_cache_dir}/{ctx.run_name}/weights"
+    for v in (1, 2):
+        for name in ("config.json", "model.safetensors", "manifest.json"):
+            assert os.path.isfile(f"{cache}/v{v:06d}/{name}")
+        assert verify_dir(f"{cache}/v{v:06d}") == manifests[v]
     for row in out["scores"]:
-        reference = _single_process(ctx, row["version"])
+        reference = _single_process(ctx, row["version"], tmp_path / "baseline-cache")
         assert {k: row[k] for k in keys} == {k: reference[k] for k in keys}
         assert row["prompts"] == SIZE and row["response_tokens"] > 0
         assert 0 < row["pass_at_1"] < 1  # answers pass and fail
     assert out["scores"][0] != out["scores"][1]  # the versions differ
 
-    record = ctx.store.fs.cat_file(out["record"])
-    assert b'"pass_at_1_greedy"' in record and b'"2":' in record
+    assert out["record"] == f"{ctx.store.url}/evals/{out['label']}.json"
+    record = json.loads(ctx.store.fs.cat_file(out["record"]))
+    assert sorted(record["versions"]) == ["1", "2"]
+    assert record["versions"]["2"]["pass_at_1_greedy"] == out["scores"][1]["pass_at_1_greedy"]
     # The run's TensorBoard holds each version's numbers at step = the version.
     logged = _tensorboard(ctx, f"eval/{out['label']}/pass_at_1")
     assert logged == [(r["version"], pytest.approx(r["pass_at_1"])) for r in out["scores"]]
@@ -177,12 +223,16 @@ def test_two_versions_in_shards_equal_one_process_and_a_failed_shard_is_retried_
     runs = _task_runs(again.state_details.flow_run_id)
     assert {r.state.name for n, r in runs.items() if ":eval[" in n} == {"Cached"}
     assert not any(":eval-load[" in n for n in runs)  # nothing to score: no engine started
+    # Neither evaluation wrote into the run but its record and shard results.
+    assert _run_objects(ctx) == objects
+    assert {v: ctx.store.read_manifest(v) for v in manifests} == manifests
 
 
 def test_the_cli_refuses_a_missing_version_without_a_flow_run(eval_run, capsys):
     from flows.cli import main
 
-    root = eval_run.cfg.storage.root
-    assert main(["evaluate", eval_run.run_name, "--root", root, "--versions", "2..4"]) == 2
+    root, endpoint = eval_run.cfg.storage.root, eval_run.cfg.storage.s3.endpoint_url
+    args = ["--root", root, "--s3-endpoint-url", endpoint, "--versions", "2..4"]
+    assert main(["evaluate", eval_run.run_name, *args]) == 2
     err = capsys.readouterr().err
     assert "no committed version v3, v4" in err and "committed versions: [0, 1, 2]" in err
