@@ -222,6 +222,7 @@ def test_two_versions_in_shards_equal_one_process_and_a_failed_shard_is_retried_
     ]
     runs = _task_runs(again.state_details.flow_run_id)
     assert {r.state.name for n, r in runs.items() if ":eval[" in n} == {"Cached"}
+    assert ctx.store.fs.find(f"{ctx.store.url}/prefect-results")  # what they were read from
     assert not any(":eval-load[" in n for n in runs)  # nothing to score: no engine started
     # Neither evaluation wrote into the run but its record and shard results.
     assert _run_objects(ctx) == objects
