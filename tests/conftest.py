@@ -4,6 +4,7 @@ placement groups), and the tiny model written once."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -21,6 +22,12 @@ os.environ.setdefault("RAY_enable_metrics_collection", "0")
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "AKIAPREFECTRLFAKE0001")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "prefect-rl-fake-secret-0123456789abcdef")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+# The evaluate-versions tests' injected reward faults (tests/integration/eval_rewards.py)
+# live in a folder of this test session's own, inherited by the Ray workers that score
+# shards: two sessions on one machine (a CI clone beside a checkout) once consumed each
+# other's marker, and a shard that should have failed once did not.
+if "PREFECT_RL_EVAL_FAULTS" not in os.environ:  # xdist workers inherit the controller's
+    os.environ["PREFECT_RL_EVAL_FAULTS"] = tempfile.mkdtemp(prefix="prefect-rl-eval-faults-")
 
 
 @pytest.fixture(scope="session")

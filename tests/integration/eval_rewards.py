@@ -4,7 +4,7 @@ The score is a function of every character of the answer (a byte of its sha256,
 in quarters): about half of a random model's answers pass a 0.5 threshold, and
 a changed answer changes its score with probability 3/4, so equal pass rates
 over many answers mean equal answers. The test writes a marker file named by a
-label's sha256 into ``FAULTS``; the first scoring of that label (in whichever
+label's sha256 into ``FAULTS`` (the test session's own folder); the first scoring of that label (in whichever
 Ray worker scores its shard) removes the marker and raises, so exactly the
 shard holding the label fails once, and its retry scores normally. A real
 fault of the reward, not a mock."""
@@ -16,7 +16,12 @@ import os
 import tempfile
 from pathlib import Path
 
-FAULTS = Path(tempfile.gettempdir()) / f"prefect-rl-eval-faults-{os.getuid()}"
+# The test session's own folder (tests/conftest.py sets it before Ray starts, so the
+# workers that score shards inherit it); a per-user one outside a test session.
+FAULTS = Path(
+    os.environ.get("PREFECT_RL_EVAL_FAULTS")
+    or Path(tempfile.gettempdir()) / f"prefect-rl-eval-faults-{os.getuid()}"
+)
 
 
 def marker(label: str) -> Path:
