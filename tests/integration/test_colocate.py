@@ -19,6 +19,7 @@ from ray.util.placement_group import placement_group_table
 
 from flows.config import load_config
 from storage.run_store import RunStore
+from tasks import lease as run_lease
 from tasks.engines import ensure_engine_serves
 from tasks.prepare import prepare_run
 
@@ -138,5 +139,5 @@ def test_shared_placement_group_holds_both_sides(ray_cluster, tmp_path):
         trainer.shutdown()
         assert shared.name in _pg_names()  # engines still live in it
         group.shutdown()
-        ctx.store.release_lease(ctx.owner)
+        run_lease.release(ctx)  # renewals stopped first, then released
     assert shared.name not in _pg_names()

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from flows.config import load_config
 from flows.driver import run_plain
+from tasks import lease as run_lease
 from tasks.prepare import prepare_run
 
 pytestmark = pytest.mark.gpu
@@ -102,7 +103,7 @@ def test_offload_frees_the_shared_gpu_and_keeps_the_weights(ray_cluster, tmp_pat
     finally:
         trainer.shutdown()
         group.shutdown()
-        ctx.store.release_lease(ctx.owner)
+        run_lease.release(ctx)  # renewals stopped first, then released
 
 
 def test_colocated_gpu_run_with_the_tensor_transport(ray_cluster, tmp_path):

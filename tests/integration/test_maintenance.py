@@ -17,6 +17,7 @@ def test_verify_engines_on_a_local_cluster_starts_the_recorded_version(
     from prefect.logging.handlers import APILogHandler
 
     from flows.maintenance_flows import verify_engines_flow
+    from tasks import lease as run_lease
     from tasks.prepare import check_run, prepare_run
 
     name = f"local-{uuid.uuid4().hex[:6]}"
@@ -25,7 +26,7 @@ def test_verify_engines_on_a_local_cluster_starts_the_recorded_version(
     check_run(cfg)
     ctx = prepare_run(cfg)  # run.json and v0, as a first run leaves them
     ctx.store.record_serving(0, 0)
-    ctx.store.release_lease(ctx.owner)
+    run_lease.release(ctx)  # renewals stopped first, then released
     try:
         state = verify_engines_flow(run_name=name, storage_root=cfg.storage.root, return_state=True)
         assert state.is_completed(), state.message

@@ -16,6 +16,7 @@ import pytest
 
 from flows.cli import main
 from flows.driver import run_plain
+from tasks import lease as run_lease
 from tasks.engines import expected_version
 from tests.integration.test_run import tiny_cfg
 
@@ -344,7 +345,7 @@ def test_a_maintenance_flow_refuses_a_live_holder_at_once(ray_cluster, tmp_path)
     cfg = tiny_cfg(tmp_path, "held", **{"storage.lease_ttl_s": 30})
     check_run(cfg)
     ctx = prepare_run(cfg)
-    ctx.store.release_lease(ctx.owner)
+    run_lease.release(ctx)  # renewals stopped first, then released
     ctx.store.acquire_lease("other-host:1", 30)
     ref = RunRef(run_name="held", storage_root=cfg.storage.root)
     with pytest.raises(LeaseHeldError, match="other-host:1"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ray
 
 from flows.config import load_config
+from tasks import lease as run_lease
 from tasks import steps
 from tasks.context import RunContext
 from tasks.engines import engine_weights, push_engine_serves
@@ -108,4 +109,4 @@ def _check_pushes(ctx, ks: tuple[int, ...], versions: list[int]) -> None:
         assert steps.verify_engine(ctx, last, 1)["verified"]
         assert {_sha(group, 1)} == pushed
     finally:
-        store.release_lease(ctx.owner)
+        run_lease.release(ctx)  # renewals stopped first, then released
