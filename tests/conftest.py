@@ -97,31 +97,37 @@ def prefect_api(prefect_server):
             yield prefect_server.api_url
 
 
-# The files that take minutes, longest first (seconds: a file's setup, call and
-# teardown times summed, in the full run of 2026-12-03 17:00 UTC: 4 workers on 2
-# cores of a machine others also used; test_multinode.py scaled by its alone run,
-# 268 -> 203 s, after it dropped a node and its own reference run). `scripts/test.sh`
-# runs xdist with whole files per worker in this order (--no-loadscope-reorder:
-# xdist's default hands out files with many tests first, which leaves these few-test
-# files for the end, one worker each). Started first, they run side by side while the
-# quick files fill the other workers. The first four start together: whichever of
-# test_faults_sigkill.py and test_multinode.py needs it first makes the fault
-# matrix's reference run; the other and test_faults.py read it.
-LONGEST_FILES = [
-    "tests/e2e/test_deployments.py",  # 642
-    "tests/e2e/test_multinode.py",  # ~550 (727 before)
-    "tests/e2e/test_faults_sigkill.py",  # 485
-    "tests/e2e/test_pipeline.py",  # 467
-    "tests/e2e/test_faults.py",  # 441
-    "tests/integration/test_weight_transports.py",  # 423
-    "tests/e2e/test_algorithms.py",  # 404
-    "tests/engines/test_http_launcher.py",  # 256
-    "tests/integration/test_run.py",  # 246
-    "tests/integration/test_colocate.py",  # 238
-    "tests/integration/test_security.py",  # 226
-    "tests/e2e/test_agentic.py",  # 148
-    "tests/integration/test_evaluate_versions.py",  # ~120 (two engines, Ray task workers)
-    "tests/integration/test_s3_run.py",  # ~80 (delta off and on)
+# The files that take longest, longest first (seconds: a file's setup, call and
+# teardown times summed from `--durations=0` of a full run on a quiet 2-core machine,
+# 3 workers, 2026-12-06; the list ends where a file takes half a minute).
+# `scripts/test.sh` runs xdist with whole files per worker in this order
+# (--no-loadscope-reorder: xdist's default hands out files with many tests first,
+# which leaves these few-test files for the end, one worker each). Started first,
+# they run side by side while the quick files fill the other workers, and none of
+# them is left to run alone at the end. Whichever of test_multinode.py, test_faults.py
+# and test_faults_sigkill.py needs it first makes the fault matrix's reference run
+# (tests/e2e/fault_matrix.py); the others read it.
+LONGEST_FILES = [  # seconds of each file's tests, 3 workers, a quiet 2-core run (2026-12-06)
+    "tests/e2e/test_multinode.py",  # 277
+    "tests/e2e/test_deployments.py",  # 267
+    "tests/e2e/test_faults.py",  # 206
+    "tests/e2e/test_algorithms.py",  # 195
+    "tests/e2e/test_pipeline.py",  # 190
+    "tests/e2e/test_faults_sigkill.py",  # 187
+    "tests/integration/test_colocate.py",  # 127
+    "tests/integration/test_security.py",  # 115
+    "tests/integration/test_weight_transports.py",  # 105
+    "tests/training/test_critic.py",  # 85
+    "tests/e2e/test_agentic.py",  # 78
+    "tests/integration/test_run.py",  # 62
+    "tests/training/test_group.py",  # 60
+    "tests/engines/test_http_launcher.py",  # 53
+    "tests/integration/test_evaluate_versions.py",  # 49
+    "tests/integration/test_s3_run.py",  # 44
+    "tests/training/test_loss_kinds_train.py",  # 37
+    "tests/engines/test_engine_tp.py",  # 33
+    "tests/integration/test_tracking.py",  # 33
+    "tests/engines/test_engine_availability.py",  # 30
 ]
 
 
