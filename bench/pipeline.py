@@ -100,16 +100,24 @@ def commit_timer():
 
 
 def run_one(
-    config: str, overrides: dict[str, Any], staleness: int, n: int, partial: bool = False
+    config: str,
+    overrides: dict[str, Any],
+    staleness: int,
+    n: int,
+    partial: bool = False,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     from bench.orchestration import step_medians
     from flows.config import load_config
     from flows.rl_training import rl_training
     from storage.run_store import RunStore
 
+    seeded = {} if seed is None else {"run.seed": seed}
     over = {
         **overrides,
-        "run.name": f"bench-pipe-s{staleness}{'-partial' if partial else ''}",
+        **seeded,
+        "run.name": f"bench-pipe-s{staleness}{'-partial' if partial else ''}"
+        + ("" if seed is None else f"-seed{seed}"),
         "run.iterations": n,
         "rollout.max_staleness": staleness,
     }
@@ -132,6 +140,7 @@ def run_one(
     row: dict[str, Any] = {
         "max_staleness": staleness,
         "partial": bool(over.get("rollout.partial")),
+        "seed": cfg.run.seed,
         "wall_s": statistics.median(walls),
     }
     row.update({f"{s}_s": med(s) for s in STEPS})
@@ -165,6 +174,24 @@ def engine_starts(store, iterations: int) -> list[float]:
     return out
 
 
+def print_across_seeds(rows: list[dict[str, Any]]) -> None:
+    """With several seeds: each staleness's mean gain per wall second, its range over the
+    seeds (the noise), and the mean beside the first staleness's."""
+    by: dict[int, list[float]] = {}
+    for r in rows:
+        by.setdefault(r["max_staleness"], []).append(r["reward_gain_per_s"])
+    if max(len(g) for g in by.values()) < 2:
+        return
+    first = statistics.mean(next(iter(by.values())))
+    for staleness, gains in by.items():
+        mean = statistics.mean(gains)
+        print(
+            f"staleness {staleness}: gain per wall s {mean:.5f} over {len(gains)} seeds "
+            f"(range {min(gains):.5f}-{max(gains):.5f})"
+            + (f", {mean / first:.2f}x the first staleness's" if first else "")
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=8)
@@ -172,6 +199,14 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--partial", action="store_true", help="rollout.partial at staleness >= 1")
     ap.add_argument("--set", action="append", default=[], help="extra dotted overrides")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="run.seed of each repeat (default: the config's): the spread of the learning "
+        "figures across seeds is their noise",
+    )
     ap.add_argument("--out", default="bench/results/pipeline.json")
     args = ap.parse_args()
 
@@ -185,7 +220,9 @@ def main() -> None:
         **dict(parse_override(s) for s in args.set),
     }
     rows = [
-        run_one(args.config, overrides, s, args.iterations, args.partial) for s in args.staleness
+        run_one(args.config, overrides, s, args.iterations, args.partial, seed)
+        for seed in args.seeds
+        for s in args.staleness
     ]
     print(
         "| staleness | wall s/iter | rollout | train | save | publish | reload | verify "
@@ -208,13 +245,14 @@ def main() -> None:
         print(
             f"staleness {r['max_staleness']}, engine starts (s, to ready): {r['engine_starts_s']}"
         )
-    print("| staleness | partial | run wall s | reward first 5 | last 5 | gain per wall s |")
-    print("|---" * 6 + "|")
-    for r in rows:  # learning per wall-clock second, each row beside staleness 0's
+    print("| staleness | partial | seed | run wall s | reward first 5 | last 5 | gain per wall s |")
+    print("|---" * 7 + "|")
+    for r in rows:  # learning per wall-clock second
         print(
-            f"| {r['max_staleness']} | {r['partial']} | {r['run_wall_s']:.1f} | "
+            f"| {r['max_staleness']} | {r['partial']} | {r['seed']} | {r['run_wall_s']:.1f} | "
             f"{r['reward_first5']:.3f} | {r['reward_last5']:.3f} | {r['reward_gain_per_s']:.5f} |"
         )
+    print_across_seeds(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps(

@@ -128,11 +128,13 @@ smollm2)
 staleness)
     # Issue 34 on a real model: SmolLM2 (after smollm2-import) learning add-2d at each
     # staleness in STALENESS (default "1 2"), TIS on, no evaluation; reward per wall
-    # second after the first iteration. PARTIAL=1 adds rollout.partial.
+    # second after the first iteration. PARTIAL=1 adds rollout.partial; SEEDS="0 1"
+    # repeats each staleness per seed (the spread is the learning figures' noise).
     with_site configs/smollm2-gpu.yaml /tmp/smollm2-gpu.yaml
     # shellcheck disable=SC2086
     python3 -m bench.pipeline --config /tmp/smollm2-gpu.yaml --iterations "${ITERATIONS:-16}" \
-        --staleness ${STALENESS:-1 2} ${PARTIAL:+--partial} --set eval.interval=0 \
+        --staleness ${STALENESS:-1 2} ${PARTIAL:+--partial} ${SEEDS:+--seeds $SEEDS} \
+        --set eval.interval=0 \
         --set run.save_interval=8 --set train.loss.rollout_correction.kind=tis \
         --out "$OUT/pipeline_smollm2_staleness_cuda.json" 2>&1 |
         grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tail -14
