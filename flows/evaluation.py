@@ -122,8 +122,14 @@ def evaluate_versions(params: EvaluateParams) -> dict[str, Any]:
     finally:
         if any(todo.values()):
             eval_engines.shutdown(plan)
-    record = eval_record.write_record(plan, scores)
-    trackers = eval_record.log_trackers(plan, scores)
+    # The record first (the numbers are safe before any tracker is reached), then the
+    # trackers that lack them, then the record again saying which trackers hold them.
+    holding = eval_record.trackers_holding(plan, {v for v, shards in todo.items() if shards})
+    record = eval_record.write_record(plan, scores, holding)
+    held = eval_record.log_trackers(plan, scores, holding)
+    if any(set(names) != set(holding.get(v, [])) for v, names in held.items()):
+        record = eval_record.write_record(plan, scores, held)
+    trackers = sorted({t for names in held.values() for t in names})
     url = eval_record.record_url(plan)
     publish_artifacts(plan.run, plan.label, scores, url)
     log.info("wrote %s%s", url, f"; trackers: {', '.join(trackers)}" if trackers else "")

@@ -9,7 +9,9 @@ disk, one PUT on S3), so a reader sees the old record or the new one. It is the
 only thing an evaluation writes into a run, beside Prefect's persisted shard
 results; it takes no lease (two evaluations of one label at once: the last
 writer's versions win, neither record is torn). Trackers get each version's
-numbers as ``eval/{label}/...`` at step = the version. No Prefect.
+numbers as ``eval/{label}/...`` at step = the version, once: the record's
+``logged`` names the trackers that hold a version's numbers, and a rerun whose
+shards of that version all come from the cache skips them. No Prefect.
 """
 
 from __future__ import annotations
@@ -28,16 +30,22 @@ def record_url(plan: EvalPlan) -> str:
     return join(plan.ctx.store.url, EVALS, f"{plan.label}.json")
 
 
-def write_record(plan: EvalPlan, scores: list[dict[str, Any]]) -> dict[str, Any]:
-    """Merge ``scores`` (one per version) into ``evals/{label}.json``; the record written."""
+def write_record(
+    plan: EvalPlan, scores: list[dict[str, Any]], holding: dict[int, list[str]]
+) -> dict[str, Any]:
+    """Merge ``scores`` (one per version) into ``evals/{label}.json``, with ``holding``:
+    by version, the trackers that hold its numbers (``logged``); the record written."""
     store, url = plan.ctx.store, record_url(plan)
     old = read_json(store.fs, url) or {}
     by_version = {str(k): v for k, v in (old.get("versions") or {}).items()}
+    logged = dict(old.get("logged") or {})
     for row in scores:
         by_version[str(row["version"])] = row
+        logged[str(row["version"])] = sorted(holding.get(row["version"], []))
     record = {
         **plan.summary(),
         "versions": dict(sorted(by_version.items(), key=lambda kv: int(kv[0]))),
+        "logged": {v: t for v, t in sorted(logged.items(), key=lambda kv: int(kv[0])) if t},
         "written": datetime.now(timezone.utc).isoformat(),
     }
     record["evaluated_now"] = [row["version"] for row in scores]
@@ -45,21 +53,37 @@ def write_record(plan: EvalPlan, scores: list[dict[str, Any]]) -> dict[str, Any]
     return record
 
 
+def trackers_holding(plan: EvalPlan, rescored: set[int]) -> dict[int, list[str]]:
+    """By version, the trackers that already hold the numbers this evaluation reports:
+    those its record says were logged, for each version none of whose shards was
+    scored anew (its numbers are the cached shards', as logged). A rerun logs only
+    to the others, so a chart gets no second point at a version."""
+    old = read_record(plan) or {}
+    return {
+        int(v): list(t)
+        for v, t in (old.get("logged") or {}).items()
+        if int(v) in plan.versions and int(v) not in rescored
+    }
+
+
 def read_record(plan: EvalPlan) -> dict[str, Any] | None:
     return read_json(plan.ctx.store.fs, record_url(plan))
 
 
-def log_trackers(plan: EvalPlan, scores: list[dict[str, Any]]) -> list[str]:
-    """Each version's numbers to the run's enabled trackers; the trackers used."""
+def log_trackers(
+    plan: EvalPlan, scores: list[dict[str, Any]], holding: dict[int, list[str]]
+) -> dict[int, list[str]]:
+    """Each version's numbers to the run's enabled trackers that do not hold them yet
+    (``holding``); by version, the trackers that hold them now."""
     cfg = plan.ctx.cfg
     trackers = RunTrackers(cfg.tracking, cfg.storage, cfg.run.name)
+    held = {row["version"]: list(holding.get(row["version"], [])) for row in scores}
     if not trackers.enabled():
-        return []
-    used: set[str] = set()
+        return held
     try:
         for row in scores:
-            metrics = {k: v for k, v in row.items() if k != "version"}
-            used.update(trackers.log(row["version"], {f"eval/{plan.label}": metrics}, True))
+            v, metrics = row["version"], {k: x for k, x in row.items() if k != "version"}
+            held[v] += trackers.log(v, {f"eval/{plan.label}": metrics}, True, held[v])
     finally:
         trackers.close()
-    return sorted(used)
+    return held

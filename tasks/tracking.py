@@ -20,6 +20,7 @@ import math
 import struct
 import sys
 import threading
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -248,16 +249,21 @@ class RunTrackers:
             )
         return trackers
 
-    def log(self, k: int, row: dict[str, Any], any_step: bool = False) -> list[str]:
+    def log(
+        self, k: int, row: dict[str, Any], any_step: bool = False, holding: Collection[str] = ()
+    ) -> list[str]:
         """Log ``row`` as iteration ``k`` to each tracker that does not hold it yet
-        (``any_step``: to each tracker, at whatever step: an evaluation of version k
-        comes after the run logged later iterations); returns the trackers that logged it."""
+        (``any_step``: to each tracker not named in ``holding``, at whatever step: an
+        evaluation of version k comes after the run logged later iterations, and only
+        its record knows which trackers hold it); returns the trackers that logged it."""
         metrics = numeric_metrics(row)
         with self._lock:
             if self._trackers is None:
                 self._trackers = self._open()
             logged = []
             for tracker_name, tracker in self._trackers.items():
+                if tracker_name in holding:
+                    continue
                 if any_step or k > tracker.last_iteration():
                     tracker.log(k, metrics)
                     logged.append(tracker_name)

@@ -222,6 +222,10 @@ def test_two_versions_in_shards_equal_one_process_and_a_failed_shard_is_retried_
     ]
     runs = _task_runs(again.state_details.flow_run_id)
     assert {r.state.name for n, r in runs.items() if ":eval[" in n} == {"Cached"}
+    # The trackers already held those numbers: no second point at a version.
+    assert _tensorboard(ctx, f"eval/{out['label']}/pass_at_1") == logged
+    record = json.loads(ctx.store.fs.cat_file(out["record"]))
+    assert record["logged"] == {"1": ["tensorboard"], "2": ["tensorboard"]}
     assert ctx.store.fs.find(f"{ctx.store.url}/prefect-results")  # what they were read from
     assert not any(":eval-load[" in n for n in runs)  # nothing to score: no engine started
     # Neither evaluation wrote into the run but its record and shard results.
