@@ -8,7 +8,7 @@
 #
 #   bash scripts/gpu_sglang.sh setup     # .devbundle: Ray, Prefect, torch_memory_saver
 #   bash scripts/gpu_sglang.sh sglang    # .sglbundle: SGLang 0.5.17 in /tmp/sgl
-#   bash scripts/gpu_sglang.sh bench     # push beside the seed's, pipeline with SGLang (BENCH_TOKENS=128)
+#   bash scripts/gpu_sglang.sh bench     # push beside the seed's, pipeline with SGLang (BENCH_SET, BENCH_TAG)
 #   bash scripts/gpu_sglang.sh test [-k EXPR]  # pytest -m "gpu and sglang"
 #   bash scripts/gpu_sglang.sh smollm2   # SmolLM2 learning on SGLang (GGUF in .gguf*/)
 #   bash scripts/gpu_sglang.sh staleness # SmolLM2 at STALENESS="1 2" with TIS (issue 34)
@@ -56,12 +56,15 @@ bench)
     with_site configs/gpu-0.5b-sglang.yaml /tmp/gpu-0.5b-sglang.yaml
     # Staleness 0 and 1 as the config ships (issue 32's goals), then 2 and 4 with TIS
     # (issue 34's: the wall beside max(rollout, train), learning per wall second).
-    # BENCH_TOKENS=128 sets rollout.max_new_tokens (the config's 4 leaves a rollout of
-    # 0.14 s of engine work, where the iteration's fixed costs set the ratios).
+    # BENCH_SET="rollout.max_new_tokens=128 weights.publish_interval=5" adds overrides
+    # (the config's 4 new tokens leave a rollout of 0.14 s of engine work, where the
+    # iteration's fixed costs set the ratios; a publish every iteration writes 1 GB in
+    # the background, which the ledger's fsyncs queue behind), BENCH_TAG names the file.
+    sets=()
+    for kv in ${BENCH_SET:-}; do sets+=(--set "$kv"); done
     python3 -m bench.pipeline --config /tmp/gpu-0.5b-sglang.yaml --iterations 12 \
-        --staleness 0 1 --set run.save_interval=5 \
-        ${BENCH_TOKENS:+--set rollout.max_new_tokens=$BENCH_TOKENS} \
-        --out "$OUT/pipeline_sglang_cuda${BENCH_TOKENS:+_t$BENCH_TOKENS}.json" 2>&1 |
+        --staleness 0 1 --set run.save_interval=5 "${sets[@]}" \
+        --out "$OUT/pipeline_sglang_cuda${BENCH_TAG:+_$BENCH_TAG}.json" 2>&1 |
         grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tail -12
     python3 scripts/sglang_start_phases.py "${TMPDIR:-/tmp}"/prefect-rl-sglang-* 2>/dev/null | tail -4
     [ "${BENCH_TIS:-1}" = 1 ] || exit 0
