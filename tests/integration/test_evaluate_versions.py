@@ -41,8 +41,9 @@ def s3_url():
 @pytest.fixture(scope="module")
 def eval_run(ray_cluster, s3_url, tmp_path_factory):
     """A tiny run on S3 with v0 (prepare_run) and v1, v2 published as perturbed
-    copies of it (no training: what is evaluated is any committed version); no
-    lease held. Its engines' cache and TensorBoard folder are local."""
+    copies of it (no training: what is evaluated is any committed version). Its
+    lease stays held and renewed, as by a training run in progress: evaluations
+    run beside it. Its engines' cache and TensorBoard folder are local."""
     from bench.evaluation import publish_perturbed
     from flows.config import load_config
     from tasks import lease as run_lease
@@ -71,8 +72,10 @@ def eval_run(ray_cluster, s3_url, tmp_path_factory):
     ctx = prepare_run(load_config(config, over))
     for v in (1, 2):
         publish_perturbed(ctx, v, tmp / f"v{v}")
-    run_lease.release(ctx)  # stops the renewals prepare_run started, then releases
-    return ctx
+    try:
+        yield ctx
+    finally:
+        run_lease.release(ctx)  # stops the renewals prepare_run started, then releases
 
 
 def _params(ctx, **extra):
@@ -132,10 +135,11 @@ def _tensorboard(ctx, tag: str) -> list[tuple[int, float]]:
 
 def _run_objects(ctx) -> dict[str, tuple[int, str]]:
     """(size, ETag) of every object of the run on S3 but what an evaluation may
-    write: its record (``evals/``) and Prefect's shard results."""
+    write, its record (``evals/``) and Prefect's shard results, and the lease the
+    run's holder renews."""
     store = ctx.store
     found = store.fs.find(store.url, detail=True)
-    mine = (f"{store.url}/evals/", f"{store.url}/prefect-results/")
+    mine = (f"{store.url}/evals/", f"{store.url}/prefect-results/", f"{store.url}/lease.json")
     return {p: (i["size"], i["ETag"]) for p, i in found.items() if not f"s3://{p}".startswith(mine)}
 
 
@@ -228,8 +232,11 @@ def test_two_versions_in_shards_equal_one_process_and_a_failed_shard_is_retried_
     assert record["logged"] == {"1": ["tensorboard"], "2": ["tensorboard"]}
     assert ctx.store.fs.find(f"{ctx.store.url}/prefect-results")  # what they were read from
     assert not any(":eval-load[" in n for n in runs)  # nothing to score: no engine started
-    # Neither evaluation wrote into the run but its record and shard results.
+    # Neither evaluation wrote into the run but its record and shard results, and the
+    # run's holder kept its lease throughout.
     assert _run_objects(ctx) == objects
+    lease = ctx.store.read_lease()
+    assert lease is not None and lease.owner == ctx.owner and not lease.released
     assert {v: ctx.store.read_manifest(v) for v in manifests} == manifests
 
 
