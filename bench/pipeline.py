@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -106,7 +107,10 @@ def run_one(
     n: int,
     partial: bool = False,
     seed: int | None = None,
+    keep: bool = True,
 ) -> dict[str, Any]:
+    """One run at ``staleness``: its row of figures. ``keep=False`` deletes the run's
+    folder once its row is read (0.5B: about 10 GB of checkpoints and versions)."""
     from bench.orchestration import step_medians
     from flows.config import load_config
     from flows.rl_training import rl_training
@@ -159,6 +163,8 @@ def run_one(
     medians = step_medians(store, list(range(skip + 1, last + 1)))
     row["phases_s"] = {key: s for key, s in medians.items() if "." in key}
     row["engine_starts_s"] = engine_starts(store, n)
+    if not keep:
+        store.fs.rm(store.url, recursive=True)
     return row
 
 
@@ -212,18 +218,24 @@ def main() -> None:
 
     from flows.config import parse_override
 
+    given = dict(parse_override(s) for s in args.set)
+    scratch = None if "storage.root" in given else tempfile.mkdtemp(prefix="bench-pipe-")
     overrides = {
-        "storage.root": tempfile.mkdtemp(prefix="bench-pipe-"),
+        "storage.root": scratch,
         "run.save_interval": 1,  # every iteration saves: the async save is on trial too
         # 0.5B: 3 GB of checkpoint and 1 GB of weights per iteration would fill the disk
         "storage.keep_last": 2,
-        **dict(parse_override(s) for s in args.set),
+        **given,
     }
-    rows = [
-        run_one(args.config, overrides, s, args.iterations, args.partial, seed)
-        for seed in args.seeds
-        for s in args.staleness
-    ]
+    try:  # runs in a scratch root are deleted as they end; a given root is kept
+        rows = [
+            run_one(args.config, overrides, s, args.iterations, args.partial, seed, scratch is None)
+            for seed in args.seeds
+            for s in args.staleness
+        ]
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     print(
         "| staleness | wall s/iter | rollout | train | save | publish | reload | verify "
         "| sum | max(rollout,train) | wall/sum | wall/max | wall/(rollout+train+reload) |"
