@@ -38,7 +38,7 @@ def write_record(
     store, url = plan.ctx.store, record_url(plan)
     old = read_json(store.fs, url) or {}
     by_version = {str(k): v for k, v in (old.get("versions") or {}).items()}
-    logged = dict(old.get("logged") or {})
+    logged = {str(v): t for v, t in _logged(old).items()}
     for row in scores:
         by_version[str(row["version"])] = row
         logged[str(row["version"])] = sorted(holding.get(row["version"], []))
@@ -58,11 +58,21 @@ def trackers_holding(plan: EvalPlan, rescored: set[int]) -> dict[int, list[str]]
     those its record says were logged, for each version none of whose shards was
     scored anew (its numbers are the cached shards', as logged). A rerun logs only
     to the others, so a chart gets no second point at a version."""
-    old = read_record(plan) or {}
+    logged = _logged(read_record(plan) or {})
+    return {v: t for v, t in logged.items() if v in plan.versions and v not in rescored}
+
+
+def _logged(record: dict[str, Any]) -> dict[int, list[str]]:
+    """The record's ``logged`` entries that read as version -> tracker names. An entry
+    that does not (a record edited by hand) counts as never logged: the version is
+    logged again, a second point at worst, and no number is lost."""
+    raw = record.get("logged")
+    if not isinstance(raw, dict):
+        return {}
     return {
         int(v): list(t)
-        for v, t in (old.get("logged") or {}).items()
-        if int(v) in plan.versions and int(v) not in rescored
+        for v, t in raw.items()
+        if str(v).isdigit() and isinstance(t, list) and all(isinstance(x, str) for x in t)
     }
 
 

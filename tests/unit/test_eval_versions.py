@@ -113,3 +113,13 @@ def test_a_shard_cache_key_changes_with_whatever_can_change_its_numbers(tmp_path
         "engines:\n  kind: sglang\n  sglang:\n    extra_args: [--attention-backend, triton]\n"
     )
     assert _key({}, config=triton) != changed["engine kind"]
+
+
+def test_a_records_logged_entries_that_do_not_read_count_as_never_logged():
+    """evals/<label>.json edited by hand: its unreadable ``logged`` entries make the
+    next evaluation log those versions again (a second point at worst), not fail."""
+    from tasks.eval_record import _logged
+
+    record = {"logged": {"1": ["tensorboard"], "x": ["mlflow"], "2": "tensorboard", "3": [4]}}
+    assert _logged(record) == {1: ["tensorboard"]}
+    assert _logged({"logged": ["tensorboard"]}) == {} and _logged({}) == {}
