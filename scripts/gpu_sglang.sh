@@ -132,14 +132,17 @@ staleness)
     # Issue 34 on a real model: SmolLM2 (after smollm2-import) learning add-2d at each
     # staleness in STALENESS (default "1 2"), TIS on, no evaluation; reward per wall
     # second after the first iteration. PARTIAL=1 adds rollout.partial; SEEDS="0 1"
-    # repeats each staleness per seed (the spread is the learning figures' noise).
+    # repeats each staleness per seed (the spread is the learning figures' noise);
+    # BENCH_SET adds overrides and BENCH_TAG names the file, as for `bench`.
     with_site configs/smollm2-gpu.yaml /tmp/smollm2-gpu.yaml
+    sets=()
+    for kv in ${BENCH_SET:-}; do sets+=(--set "$kv"); done
     # shellcheck disable=SC2086
     python3 -m bench.pipeline --config /tmp/smollm2-gpu.yaml --iterations "${ITERATIONS:-16}" \
         --staleness ${STALENESS:-1 2} ${PARTIAL:+--partial} ${SEEDS:+--seeds $SEEDS} \
         --set eval.interval=0 \
-        --set run.save_interval=8 --set train.loss.rollout_correction.kind=tis \
-        --out "$OUT/pipeline_smollm2_staleness_cuda.json" 2>&1 |
+        --set run.save_interval=8 --set train.loss.rollout_correction.kind=tis "${sets[@]}" \
+        --out "$OUT/pipeline_smollm2_staleness_cuda${BENCH_TAG:+_$BENCH_TAG}.json" 2>&1 |
         grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tail -14
     ;;
 eval)
