@@ -56,10 +56,9 @@ bench)
     with_site configs/gpu-0.5b-sglang.yaml /tmp/gpu-0.5b-sglang.yaml
     # Staleness 0 and 1 as the config ships (issue 32's goals), then 2 and 4 with TIS
     # (issue 34's: the wall beside max(rollout, train), learning per wall second).
-    # BENCH_SET="rollout.max_new_tokens=128 weights.publish_interval=5" adds overrides
-    # (the config's 4 new tokens leave a rollout of 0.14 s of engine work, where the
-    # iteration's fixed costs set the ratios; a publish every iteration writes 1 GB in
-    # the background, which the ledger's fsyncs queue behind), BENCH_TAG names the file.
+    # BENCH_SET="rollout.max_new_tokens=128" adds overrides (the config's 4 new tokens
+    # leave a rollout of 0.14 s of engine work, where the iteration's fixed costs set
+    # the ratios: README, Engines), BENCH_TAG names the file.
     sets=()
     for kv in ${BENCH_SET:-}; do sets+=(--set "$kv"); done
     python3 -m bench.pipeline --config /tmp/gpu-0.5b-sglang.yaml --iterations 12 \
