@@ -50,7 +50,7 @@ from typing import Any
 
 from prefect.utilities.annotations import quote
 
-from storage.fs import is_local
+from storage.fs import is_local, s3_settings
 from tasks import plan, rl_tasks, steps
 from tasks.context import RunContext
 
@@ -139,10 +139,10 @@ def result_storage(ctx: RunContext):
     if is_local(ctx.store.fs):  # storage.fs decides what is remote, not the URL's spelling
         block = LocalFileSystem(basepath=url.removeprefix("file://"))
     else:
-        settings = {}
-        if ctx.cfg.storage.s3.endpoint_url:
-            settings["client_kwargs"] = {"endpoint_url": ctx.cfg.storage.s3.endpoint_url}
-        block = RemoteFileSystem(basepath=url, settings=settings)
+        # The run's own S3 settings: botocore's defaults (60 s timeouts, several
+        # attempts with backoff) once held a failed task run ~28 s writing its result
+        # to an endpoint that was down, after its retries on the run's settings ended.
+        block = RemoteFileSystem(basepath=url, settings=s3_settings(ctx.cfg.storage.s3))
     digest = hashlib.sha256(url.encode()).hexdigest()[:10]
     block.save(name=f"prefect-rl-results-{digest}", overwrite=True)
     _saved_storage[url] = block

@@ -35,27 +35,32 @@ def open_root(root: str, s3: S3Options | None = None) -> tuple[fsspec.AbstractFi
     if proto in ("s3", "s3a"):
         import s3fs  # only needed for s3:// roots
 
-        opts = s3 or S3Options()
-        client_kwargs: dict[str, Any] = {}
-        if opts.region:
-            client_kwargs["region_name"] = opts.region
-        config_kwargs: dict[str, Any] = {
-            "connect_timeout": opts.connect_timeout_s,
-            "read_timeout": opts.read_timeout_s,
-        }
-        if opts.max_attempts is not None:
-            config_kwargs["retries"] = {"max_attempts": opts.max_attempts, "mode": "standard"}
-        fs = s3fs.S3FileSystem(
-            anon=opts.anon,
-            config_kwargs=config_kwargs,
-            endpoint_url=opts.endpoint_url,
-            client_kwargs=client_kwargs,
-            # Other processes commit versions; a cached listing would hide them.
-            use_listings_cache=False,
-        )
+        # Other processes commit versions; a cached listing would hide them.
+        fs = s3fs.S3FileSystem(**s3_settings(s3 or S3Options()), use_listings_cache=False)
         return fs, "s3://" + rest.strip("/")
     fs, _ = fsspec.url_to_fs(root)
     return fs, root.rstrip("/")
+
+
+def s3_settings(opts: S3Options) -> dict[str, Any]:
+    """``s3fs.S3FileSystem``'s keyword arguments for ``opts``: every S3 client of a run
+    (its store, and Prefect's result storage beside it) gets the same endpoint, region,
+    timeouts and attempts. Plain JSON, which Prefect's storage block keeps."""
+    client_kwargs: dict[str, Any] = {}
+    if opts.region:
+        client_kwargs["region_name"] = opts.region
+    config_kwargs: dict[str, Any] = {
+        "connect_timeout": opts.connect_timeout_s,
+        "read_timeout": opts.read_timeout_s,
+    }
+    if opts.max_attempts is not None:
+        config_kwargs["retries"] = {"max_attempts": opts.max_attempts, "mode": "standard"}
+    return {
+        "anon": opts.anon,
+        "config_kwargs": config_kwargs,
+        "endpoint_url": opts.endpoint_url,
+        "client_kwargs": client_kwargs,
+    }
 
 
 def redact(root: str) -> str:
