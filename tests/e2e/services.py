@@ -339,7 +339,9 @@ class Stack:
         return out
 
     def deploy_and_start_worker(self) -> None:
-        self.cli("work-pool", "create", "rl-process", "--type", "process")
+        # --overwrite: a second stack on the session's server (test_multinode.py and
+        # test_deployments.py in one pytest process, as without xdist) finds the pool.
+        self.cli("work-pool", "create", "rl-process", "--type", "process", "--overwrite")
         self.cli("--no-prompt", "deploy", "--all")
         # The worker ignores the first SIGTERM (its CLI passes SIGINT on, and the worker
         # never ended within 10 s of it): send it twice, a second apart, then SIGKILL.
