@@ -195,25 +195,33 @@ def test_force_takes_a_renewed_lease_at_once(cfg, monkeypatch):
 
 
 def test_racing_acquirers_only_one_wins(cfg):
+    """The winner renews, as a run does (tasks/lease.py). A taker that read its lease.json
+    before others took a turn watches it; without renewals it would rightly take over
+    once ttl_s passed silent (a CI run once ended with two winners that way)."""
     stores = [RunStore(cfg, "run1") for _ in range(4)]
-    won, lost = [], []
+    won, lost, keepers = [], [], []
     barrier = threading.Barrier(len(stores))
 
     def go(i):
         barrier.wait()
         try:
             stores[i].acquire_lease(f"w{i}", ttl_s=30)
-            won.append(i)
         except LeaseHeldError:
             lost.append(i)
+            return
+        won.append(i)
+        keepers.append(_Renewer(stores[i], f"w{i}", ttl_s=30, every=0.1))
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(len(stores))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    for keeper in keepers:
+        keeper.stop()
     assert len(won) == 1 and len(lost) == 3
     assert stores[0].read_lease().owner == f"w{won[0]}"
+    assert [k.errors for k in keepers] == [[]]  # nobody took the winner's lease
 
 
 def test_racing_takers_of_a_dead_holder_get_one_fence(cfg, monkeypatch):
