@@ -58,17 +58,25 @@ def unit_seconds(store, k: int, staleness: int, iterations: int) -> dict[str, fl
 def learning(store, walls: list[float]) -> dict[str, float]:
     """Reward of the first and last 5 iterations and the gain per wall-clock second of
     the iterations after the first (the first holds the engines' start: 70-100 s with
-    SGLang on the H100, the same at every staleness, which would swamp the rest)."""
-    rewards = [m["reward_mean"] for m in store.read_metrics()]
+    SGLang on the H100, the same at every staleness, which would swamp the rest); and
+    the least-squares slope of reward against the wall clock over those iterations,
+    which uses every point (first and last 5 alone move with a batch's luck). With
+    dynamic sampling the reward is that of everything generated: the kept batch's is
+    lifted by the filter, more or less as the rounds go."""
+    rows = store.read_metrics()
+    rewards = [m.get("reward_mean_generated", m["reward_mean"]) for m in rows]
     first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
     run_s = sum(walls[1:])
+    clock = [sum(walls[1 : i + 1]) for i in range(1, len(walls))]
     return {
         "reward_first5": first,
         "reward_last5": last,
         "run_wall_s": run_s,
         "first_iteration_s": walls[0],
         "reward_gain_per_s": (last - first) / run_s,
+        "reward_slope_per_s": statistics.linear_regression(clock, rewards[1:]).slope,
         "rewards": rewards,
+        "sampling_rounds": [m.get("sampling_rounds") for m in rows],
     }
 
 
@@ -151,6 +159,12 @@ def run_one(
     row["sum_s"] = statistics.median(sum(u.values()) for u in units)
     row["max_rollout_train_s"] = statistics.median(max(u["rollout"], u["train"]) for u in units)
     row["chain_s"] = statistics.median(u["rollout"] + u["train"] + u["reload"] for u in units)
+    # Means beside the medians: where rollouts vary batch to batch (dynamic sampling's
+    # rounds, long tails), a batch made further ahead absorbs the slow ones, and the
+    # mean wall shows it where the median hides it.
+    row["wall_mean_s"] = statistics.mean(walls)
+    row["rollout_mean_s"] = statistics.mean(u["rollout"] for u in units)
+    row["max_rollout_train_mean_s"] = statistics.mean(max(u["rollout"], u["train"]) for u in units)
     row["wall_over_sum"] = row["wall_s"] / row["sum_s"]
     row["wall_over_max"] = row["wall_s"] / row["max_rollout_train_s"]
     row["wall_over_chain"] = row["wall_s"] / row["chain_s"]
@@ -181,21 +195,22 @@ def engine_starts(store, iterations: int) -> list[float]:
 
 
 def print_across_seeds(rows: list[dict[str, Any]]) -> None:
-    """With several seeds: each staleness's mean gain per wall second, its range over the
-    seeds (the noise), and the mean beside the first staleness's."""
-    by: dict[int, list[float]] = {}
-    for r in rows:
-        by.setdefault(r["max_staleness"], []).append(r["reward_gain_per_s"])
-    if max(len(g) for g in by.values()) < 2:
-        return
-    first = statistics.mean(next(iter(by.values())))
-    for staleness, gains in by.items():
-        mean = statistics.mean(gains)
-        print(
-            f"staleness {staleness}: gain per wall s {mean:.5f} over {len(gains)} seeds "
-            f"(range {min(gains):.5f}-{max(gains):.5f})"
-            + (f", {mean / first:.2f}x the first staleness's" if first else "")
-        )
+    """With several seeds: each staleness's mean gain and slope per wall second, their
+    range over the seeds (the noise), and the mean beside the first staleness's."""
+    for key in ("reward_gain_per_s", "reward_slope_per_s"):
+        by: dict[int, list[float]] = {}
+        for r in rows:
+            by.setdefault(r["max_staleness"], []).append(r[key])
+        if max(len(g) for g in by.values()) < 2:
+            return
+        first = statistics.mean(next(iter(by.values())))
+        for staleness, gains in by.items():
+            mean = statistics.mean(gains)
+            print(
+                f"staleness {staleness}: {key} {mean:.5f} over {len(gains)} seeds "
+                f"(range {min(gains):.5f}-{max(gains):.5f})"
+                + (f", {mean / first:.2f}x the first staleness's" if first else "")
+            )
 
 
 def main() -> None:
@@ -257,12 +272,17 @@ def main() -> None:
         print(
             f"staleness {r['max_staleness']}, engine starts (s, to ready): {r['engine_starts_s']}"
         )
-    print("| staleness | partial | seed | run wall s | reward first 5 | last 5 | gain per wall s |")
-    print("|---" * 7 + "|")
+    print(
+        "| staleness | partial | seed | run wall s | mean wall s | mean max(rollout,train) "
+        "| reward first 5 | last 5 | gain per wall s | slope per wall s |"
+    )
+    print("|---" * 10 + "|")
     for r in rows:  # learning per wall-clock second
         print(
             f"| {r['max_staleness']} | {r['partial']} | {r['seed']} | {r['run_wall_s']:.1f} | "
-            f"{r['reward_first5']:.3f} | {r['reward_last5']:.3f} | {r['reward_gain_per_s']:.5f} |"
+            f"{r['wall_mean_s']:.3f} | {r['max_rollout_train_mean_s']:.3f} | "
+            f"{r['reward_first5']:.3f} | {r['reward_last5']:.3f} | "
+            f"{r['reward_gain_per_s']:.5f} | {r['reward_slope_per_s']:.5f} |"
         )
     print_across_seeds(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rollout.types import Generated, Prompt, RolloutBatch, Sample, SamplingRecord
 
@@ -55,9 +55,21 @@ def informative(group: list[Sample]) -> bool:
     return len({s.reward for s in group}) > 1
 
 
-def counts(batch: RolloutBatch) -> dict[str, int] | None:
+def counts(batch: RolloutBatch) -> dict[str, Any] | None:
     """The rollout step's ledger entry of what dynamic sampling did (None when off)."""
     return None if batch.sampling is None else asdict(batch.sampling)
+
+
+def sampling_row_fields(sampling: dict[str, Any] | None) -> dict[str, Any]:
+    """The metrics row's dynamic-sampling columns from the rollout's ``sampling`` entry
+    ({} when off): the reward of everything generated beside the kept batch's
+    ``reward_mean``, which filtering lifts (DAPO's runs log both)."""
+    if not sampling:
+        return {}
+    return {
+        "reward_mean_generated": sampling.get("reward_mean_generated"),
+        "sampling_rounds": sampling["rounds"],
+    }
 
 
 def fill(
@@ -75,11 +87,12 @@ def fill(
     n, size = cfg.n_samples_per_prompt, cfg.batch_size
     kept: list[list[Sample]] = []
     dropped: list[list[Sample]] = []
-    gen_s, rounds, asked = 0.0, 0, 0
+    gen_s, rounds, asked, reward_sum = 0.0, 0, 0, 0.0
     out = first
     while True:
         gen_s += out.gen_s
         rounds += 1
+        reward_sum += sum(out.batch.rewards)
         for g in groups(out.batch.samples, n):
             asked += 1
             (kept if informative(g) else dropped).append(g)
@@ -95,6 +108,7 @@ def fill(
         prompts=asked,
         dropped_groups=asked - len(kept),
         filled_uniform=filled,
+        reward_mean_generated=reward_sum / (asked * n),
     )
     samples = [s for g in chosen for s in g]
     batch = RolloutBatch(iteration=k, n_samples_per_prompt=n, samples=samples, sampling=record)

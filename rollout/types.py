@@ -108,6 +108,10 @@ class SamplingRecord:
     prompts: int  # prompts generated over all rounds
     dropped_groups: int  # groups whose rewards were all equal
     filled_uniform: int  # of those, put back because the rounds left the batch short
+    # Mean reward of every sample of every round: the policy's own reward. The kept
+    # batch's mean is not (the dropped groups were all wrong or all right). None in a
+    # batch persisted before it was recorded.
+    reward_mean_generated: float | None = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from rollout.agent import tool_row_fields
+from rollout.dynamic_sampling import sampling_row_fields
 from rollout.evaluation import row_fields
 from rollout.procedure import VersionMismatch, generate_batch, summary
 from rollout.types import RolloutBatch
@@ -263,6 +264,7 @@ def _finish(ctx, k: int, engine_id: None, results: dict[str, Result]) -> Result:
         **row_fields(results.get("evaluate")),
         **row_fields(results.get(BASE_EVAL), prefix="eval_base"),
         **tool_row_fields(r.get("tools")),
+        **sampling_row_fields(r.get("sampling")),
     }
     with phase("metrics"):
         ctx.store.append_metrics(k, row)

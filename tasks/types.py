@@ -39,8 +39,9 @@ class RolloutResult(StepResult):
     example: str  # one response, for the console line
     # multi-turn: {retries, replaced, dropped} of rollout.failures; None for single-turn
     failures: dict[str, int] | None = None
-    # rollout.dynamic_sampling: {rounds, prompts, dropped_groups, filled_uniform}; None when off
-    sampling: dict[str, int] | None = None
+    # rollout.dynamic_sampling: {rounds, prompts, dropped_groups, filled_uniform,
+    # reward_mean_generated}; None when off
+    sampling: dict[str, float | int | None] | None = None
     # multi-turn: {calls, bad_calls, call_rate, correct, correct_after_call} (rollout.agent.tool_use)
     tools: dict[str, float | int | None] | None = None
 
@@ -151,3 +152,6 @@ class IterationRow(StepResult):
     # Set only for multi-turn rollouts (rollout.agent.tool_row_fields).
     tool_call_rate: float | None = None
     tool_correct_after_call: float | None = None
+    # Set only with dynamic sampling (rollout.dynamic_sampling.sampling_row_fields).
+    reward_mean_generated: float | None = None
+    sampling_rounds: int | None = None

@@ -59,6 +59,11 @@ def test_each_algorithm_learns_on_the_default_task(ray_cluster, tmp_path, name):
     if name == "dapo":  # dynamic sampling replaced groups of equal rewards
         batch = RolloutBatch.from_json(store.read_rollouts(1))
         assert batch.sampling.rounds > 1 and batch.sampling.dropped_groups > 0
+        # the metrics row (UI table, trackers) shows the reward of all that was generated
+        # beside the kept batch's, and the rounds it took
+        assert rows[0]["sampling_rounds"] == batch.sampling.rounds
+        assert rows[0]["reward_mean_generated"] == batch.sampling.reward_mean_generated
+        assert rows[0]["reward_mean_generated"] != rows[0]["reward_mean"]
     if name == "ppo":  # the critic trained beside the policy and was checkpointed
         assert "vf_loss" in store.read_record(20, "train")["result"]
         assert CriticStore(cfg.storage, cfg.run.name).committed_checkpoints() == [5, 10, 15, 20]

@@ -6,7 +6,7 @@ every sample (a group of equal rewards) or in alternate samples, by the seed."""
 from __future__ import annotations
 
 from rollout.config import RolloutConfig
-from rollout.dynamic_sampling import EXTRA_INDEX_BASE, informative
+from rollout.dynamic_sampling import EXTRA_INDEX_BASE, informative, sampling_row_fields
 from rollout.procedure import generate_batch, summary
 from tests.unit.test_procedure import FakeTokenizer
 
@@ -61,6 +61,13 @@ def test_groups_of_equal_rewards_are_replaced_until_the_batch_is_full():
     assert record.filled_uniform == 0
     # the rollout step's ledger result carries the record
     assert summary(batch, gen_s=1.0, reused=False)["sampling"]["rounds"] == record.rounds
+    # The kept groups are half right (mean 0.5), the dropped ones all right: the metrics
+    # row shows the policy's reward over everything generated beside the kept batch's.
+    assert sum(batch.rewards) / len(batch.rewards) == 0.5
+    generated = (record.dropped_groups * 1.0 + cfg.batch_size * 0.5) / record.prompts
+    assert record.reward_mean_generated == generated > 0.5
+    row = sampling_row_fields(summary(batch, gen_s=1.0, reused=False)["sampling"])
+    assert row == {"reward_mean_generated": generated, "sampling_rounds": record.rounds}
     # later rounds' prompts sit in a block of their own, never an iteration's regular one
     extra = {s.prompt_index for s in batch.samples if s.prompt_index >= EXTRA_INDEX_BASE}
     assert extra and len({s.prompt_index for s in batch.samples}) == cfg.batch_size
@@ -86,3 +93,4 @@ def test_off_by_default_the_first_round_is_the_batch():
     assert calls == [8] and batch.sampling is None
     assert "sampling" not in batch.to_json()  # persisted exactly as before the setting existed
     assert summary(batch, gen_s=1.0, reused=False)["sampling"] is None
+    assert sampling_row_fields(None) == {}  # the metrics row has no sampling columns
