@@ -132,7 +132,8 @@ staleness)
     # staleness in STALENESS (default "1 2"), TIS on, no evaluation; reward per wall
     # second after the first iteration. PARTIAL=1 adds rollout.partial; SEEDS="0 1"
     # repeats each staleness per seed (the spread is the learning figures' noise);
-    # BENCH_SET adds overrides and BENCH_TAG names the file, as for `bench`.
+    # BENCH_SET adds overrides and BENCH_TAG names the file, as for `bench`
+    # (BENCH_SET="rollout.dynamic_sampling.enabled=true": rollouts whose rounds vary).
     with_site configs/smollm2-gpu.yaml /tmp/smollm2-gpu.yaml
     sets=()
     for kv in ${BENCH_SET:-}; do sets+=(--set "$kv"); done
@@ -142,7 +143,7 @@ staleness)
         --set eval.interval=0 \
         --set run.save_interval=8 --set train.loss.rollout_correction.kind=tis "${sets[@]}" \
         --out "$OUT/pipeline_smollm2_staleness_cuda${BENCH_TAG:+_$BENCH_TAG}.json" 2>&1 |
-        grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tail -14
+        grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tail -24
     ;;
 eval)
     # evaluate-versions throughput on the 0.5B shape (bf16): embedded engine and SGLang,
