@@ -55,18 +55,12 @@ def unit_seconds(store, k: int, staleness: int, iterations: int) -> dict[str, fl
     return out
 
 
-def batch_version(store, k: int) -> int:
-    """The newest weight version batch k's tokens came from (its rollout record)."""
-    result = store.read_record(k, "rollout")["result"]
-    return max(result.get("versions") or [int(result["weight_version"])])
-
-
 def learning(store, walls: list[float]) -> dict[str, Any]:
     """Learning per wall-clock second, from the rollouts' rewards (with dynamic sampling,
     of everything generated: the kept batch's is lifted by the filter).
 
-    Batch k's reward measures the weights that generated it, v(k-1-N) at staleness N,
-    not the newest. Plotted by iteration, a deeper staleness shows each version's
+    Batch k's reward measures the weights that generated it (the row's
+    ``rollout_version``: v(k-1-N) at staleness N), not the newest. Plotted by iteration, a deeper staleness shows each version's
     reward N iterations later, and over a short run that lag alone lowers its curve
     (four seeds on the H100: rollout-reward slope 0.89x of staleness 1's at staleness
     2; credited to each version's time, 0.97x). So the figure that compares staleness
@@ -79,12 +73,9 @@ def learning(store, walls: list[float]) -> dict[str, Any]:
     rows = store.read_metrics()
     rewards = [m.get("reward_mean_generated", m["reward_mean"]) for m in rows]
     first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
+    versions = [m["rollout_version"] for m in rows]
     ends = [sum(walls[1:m]) for m in range(1, len(walls) + 1)]  # ends[v-1]: v published
-    points = [
-        (ends[v - 1], reward)
-        for k, reward in enumerate(rewards, start=1)
-        if (v := batch_version(store, k)) >= 1
-    ]
+    points = [(ends[v - 1], reward) for v, reward in zip(versions, rewards) if v >= 1]
     slope = statistics.linear_regression(*zip(*points)).slope if len(points) >= 2 else None
     return {
         "reward_first5": first,
@@ -94,7 +85,7 @@ def learning(store, walls: list[float]) -> dict[str, Any]:
         "reward_gain_per_s": (last - first) / sum(walls[1:]),
         "reward_slope_per_s": slope,
         "rewards": rewards,
-        "versions": [batch_version(store, k) for k in range(1, len(rewards) + 1)],
+        "versions": versions,
         "sampling_rounds": [m.get("sampling_rounds") for m in rows],
     }
 

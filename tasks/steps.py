@@ -255,6 +255,7 @@ def _finish(ctx, k: int, engine_id: None, results: dict[str, Result]) -> Result:
     row = {
         "iteration": k,
         "reward_mean": r["reward_mean"],
+        "rollout_version": _made_on(ctx, k),
         **{key: t.get(key) for key in ("loss", "kl", *MISMATCH_METRICS)},
         "gen_tokens_per_s": r.get("gen_tokens_per_s"),
         "train_tokens_per_s": t.get("tokens_per_s"),

@@ -127,6 +127,9 @@ class IterationRow(StepResult):
 
     iteration: int
     reward_mean: float
+    # The newest weights the batch came from: v(k-1-N) at rollout.max_staleness N (with
+    # rollout.partial, the continuation's). reward_mean measures them, not the newest.
+    rollout_version: int | None = None
     loss: float | None
     kl: float | None
     # The engines' logprobs against the trainer's (training.types.MISMATCH_METRICS);

@@ -82,6 +82,12 @@ def partial_reference(ray_cluster, tmp_path_factory) -> dict[str, str]:
             }
             assert versions == ({0} if k <= 2 else {k - 3, k - 2}), (k, versions)
             assert {s["weight_version"] for s in samples} == {max(k - 3, 0)}
+        # The metrics row names the newest weights the batch came from: its reward
+        # measures them (the UI and trackers plot reward against it).
+        rows = store.read_metrics()
+        assert [r["rollout_version"] for r in rows] == [
+            max(k - 2, 0) for k in range(1, ITERATIONS + 1)
+        ]
         before = store.fs.cat_file(store.rollouts_url(5))
         store.fs.rm(store.rollouts_url(5))
         store.fs.rm(f"{store.url}/ledger/iter_000005/rollout.json")
@@ -102,6 +108,8 @@ def stale4_reference(ray_cluster, tmp_path_factory) -> dict[str, str]:
     for k in range(1, ITERATIONS + 1):
         versions = {s["weight_version"] for s in ctx.store.read_rollouts(k)["samples"]}
         assert versions == {max(k - 5, 0)}, (k, versions)
+    rows = ctx.store.read_metrics()
+    assert [r["rollout_version"] for r in rows] == [max(k - 5, 0) for k in range(1, ITERATIONS + 1)]
     return final_weights(ctx.store)
 
 
