@@ -7,7 +7,8 @@ first ``rollout.partial_chunk`` tokens of every sample, on v(k-1) while the
 trainer works; then, once publish[k] is done and the engines were reloaded to
 v(k) (reload[k] and verify[k] run between the two chunks, so engines switch
 versions only between calls), the **continuation** of every sample the head left
-unfinished, on v(k). Each token keeps the version that generated it
+unfinished, on v(k), first thing in iteration k+1, beside train[k+1]
+(``tasks.plan``). Each token keeps the version that generated it
 (``Sample.token_versions``) and its logprob under that version, so the loss's
 importance ratio divides each token by the policy that sampled it.
 

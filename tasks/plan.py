@@ -26,14 +26,17 @@ config (``tasks.rollout_versions``), never of timing:
 The first iteration makes batches 1..1+N (all on v0). With ``eval.interval`` and
 ``eval.before_training`` it first evaluates the base model (``evaluate[0]``);
 its rollout[1] waits for that, and finish[1] writes its scores as eval_base_*. With ``rollout.partial``
-batch k+N is two nodes (``tasks.partial_rollout``): its head (the first
-``rollout.partial_chunk`` tokens of every sample) on v(k-1) beside training,
-then, after reload[k] and verify[k], the rest on v(k):
+batch j > N is two nodes (``tasks.partial_rollout``) in two iterations: its head
+(the first ``rollout.partial_chunk`` tokens of every sample) on v(j-1-N) beside
+train[j-N], and its rest on v(j-N) in iteration j-N+1, first on the engines,
+which serve v(j-N) from reload[j-N] until reload[j-N+1]. So iteration k, on
+v(k-1), continues batch k+N-1 and then starts batch k+N, both beside train[k]
+(N >= 2; with N = 1, batch k+N-1 is batch k, which train[k] waits for):
 
-    rollout[k] ─┬──────────────────────┐
-    train[k] → save[k] → publish[k]   rollout_head[k+N] on v(k-1)
-                └──────────┬───────────┘
-    reload[k, e] → verify[k, e] → rollout[k+N] (the rest, on v(k)) → finish[k]
+    rollout_head[k+N-1] (made in k-1) → rollout[k+N-1] (the rest) → rollout_head[k+N]
+    rollout[k] → train[k] → save[k] → publish[k]                          │
+                                          └──────────────┬────────────────┘
+                                 reload[k, e] → verify[k, e] → finish[k]
 
 Nothing here imports Prefect or Ray.
 """
@@ -75,18 +78,18 @@ def iteration_plan(ctx, k: int) -> tuple[Node, ...]:
     if k == 1 and due(ctx.cfg.eval, 0, last_k):  # the base model, before any batch
         nodes.append(base := Node(steps.EVALUATE, 0))
         chain = (base.id,)
-    tail: Node | None = None  # partial: rollout[k+N]'s continuation, after the version switch
     for j in range(k, min(k + n, last_k) + 1):
-        # Batches between k and k+N were made by earlier iterations' plans (iteration j-N's);
-        # one that is missing (run.iterations grew since) is made here, in order.
+        # Batches between k and k+N were made by earlier iterations' plans (iteration j-N's,
+        # or with partial rollouts j-N+1's); one that is missing is made here, in order:
+        # with partial rollouts batch k+N-1, whose head iteration k-1 made, and a batch
+        # run.iterations added.
         if k < j < k + n and _made(ctx, j):
             continue
         if continue_source(ctx, j) is not None and (j == k + n or not _made(ctx, j)):
             head = Node(steps.ROLLOUT_HEAD, j, after=chain)
             nodes.append(head)
             chain = (head.id,)
-            if j == k + n:  # continued on v(k) once reload[k] and verify[k] are done
-                tail = Node(steps.ROLLOUT, j)
+            if j == k + n:  # its rest on v(k), beside train[k+1]: iteration k+1 plans it
                 continue
         nodes.append(batch := Node(steps.ROLLOUT, j, after=chain))
         chain = (batch.id,)
@@ -102,12 +105,10 @@ def iteration_plan(ctx, k: int) -> tuple[Node, ...]:
         nodes += [reload, verify]
         verifies.append(verify.id)
     last = tuple(verifies)
-    if tail is not None:
-        nodes.append(tail := Node(steps.ROLLOUT, tail.k, after=last))
     if due(ctx.cfg.eval, k, ctx.cfg.run.iterations):  # eval.interval: what engines serve now
         nodes.append(evaluate := Node(steps.EVALUATE, k, after=last))
         last = (evaluate.id,)
-    nodes.append(Node(steps.FINISH, k, after=last + ((tail.id,) if tail else ())))
+    nodes.append(Node(steps.FINISH, k, after=last))
     return tuple(nodes)
 
 

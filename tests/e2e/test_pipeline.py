@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 PARTIAL = {"rollout.max_staleness": 2, "rollout.partial": True}
 STALE4 = {"rollout.max_staleness": 4}
 # Partial rollouts add a step: its faults hit heads and continuations of batches made ahead
-# (batch j > 2 is split: head on v(j-3), the rest on v(j-2), made in iteration j-2).
+# (batch j > 2 is split: head on v(j-3) in iteration j-2, the rest on v(j-2) in j-1).
 PARTIAL_PLAN = {**PLAN, "rollout": 5, "rollout_head": 4}
 PARTIAL_KILL_PLAN = {**KILL_PLAN, "rollout": 6, "rollout_head": 3}
 FULL_MATRIX = pytest.mark.skipif(

@@ -97,16 +97,27 @@ def test_partial_batches_switch_version_at_a_place_fixed_by_the_config(
         assert steps.rollout_source(ctx, k) == max(k - 1 - staleness, 0)
 
 
-def test_partial_rollout_continues_after_the_version_switch(tmp_path):
+def test_partial_rollout_continues_beside_the_next_training(tmp_path):
     over = {"rollout.max_staleness": 2, "rollout.partial": True, "run.iterations": 6}
     ctx = make_ctx(tmp_path, **over)
-    made(ctx, 1, 2, 3, 4)
+    made(ctx, 1, 2, 3)  # batch 4's head was made beside train[2]; its rest is iteration 3's
     nodes = waits(plan.iteration_plan(ctx, 3))
-    assert nodes["rollout_head@5"] == ("rollout@3",)  # beside train[3], on v2
-    assert nodes["reload-e0@3"] == ("publish@3", "rollout_head@5")  # switch between chunks
-    assert nodes["rollout@5"] == ("verify-e0@3", "verify-e1@3")  # the rest on v3
-    assert nodes["iteration@3"] == ("verify-e0@3", "verify-e1@3", "rollout@5")
-    assert "rollout@4" not in nodes  # made by iteration 2's plan
+    assert nodes["rollout_head@4"] == ("rollout@3",)  # persisted: the step reuses it
+    assert nodes["rollout@4"] == ("rollout_head@4",)  # the rest on v2, beside train[3]
+    assert nodes["rollout_head@5"] == ("rollout@4",)  # then batch 5's head, on v2 too
+    assert nodes["train@3"] == ("rollout@3",)  # after neither: they overlap
+    assert nodes["reload-e0@3"] == ("publish@3", "rollout_head@5")  # switch between batches
+    assert nodes["iteration@3"] == ("verify-e0@3", "verify-e1@3")  # waits for no rollout
+    assert "rollout@5" not in nodes  # batch 5's rest is iteration 4's, on v3
+    made(ctx, 4)
+    after = waits(plan.iteration_plan(ctx, 4))
+    assert after["rollout@5"] == ("rollout_head@5",) and after["rollout_head@6"] == ("rollout@5",)
+    # Staleness 1: the rest of batch k is what train[k] waits for.
+    one = make_ctx(tmp_path / "one", **{**over, "rollout.max_staleness": 1})
+    made(one, 1, 2)
+    nodes = waits(plan.iteration_plan(one, 3))
+    assert nodes["rollout@3"] == ("rollout_head@3",) and nodes["train@3"] == ("rollout@3",)
+    assert nodes["rollout_head@4"] == ("rollout@3",)
 
 
 @pytest.mark.parametrize(
