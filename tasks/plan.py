@@ -50,9 +50,9 @@ from typing import Any, Protocol
 
 from rollout.evaluation import due
 from tasks import steps
+from tasks.metrics_row import BASE_EVAL
 from tasks.rollout_versions import continue_source
 from tasks.runner import Step
-from tasks.steps import BASE_EVAL
 
 
 @dataclass(frozen=True)

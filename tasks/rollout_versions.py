@@ -11,7 +11,7 @@ byte-identical. Reads the config only: no storage, no engines, no Prefect.
 
 from __future__ import annotations
 
-__all__ = ["continue_source", "rollout_source"]
+__all__ = ["continue_source", "made_on", "rollout_source"]
 
 
 def rollout_source(ctx, k: int) -> int:
@@ -28,3 +28,11 @@ def continue_source(ctx, k: int) -> int | None:
         return None
     later = k - ctx.cfg.rollout.max_staleness
     return later if later >= 1 else None
+
+
+def made_on(ctx, k: int) -> int:
+    """The iteration whose weights the rollout step of batch k generates on, and so the
+    newest version in batch k: with ``rollout.partial``, the continuation's (its head
+    is on ``rollout_source``)."""
+    later = continue_source(ctx, k)
+    return rollout_source(ctx, k) if later is None else later

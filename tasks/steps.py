@@ -15,19 +15,17 @@ import logging
 import time
 from typing import Any
 
-from rollout.agent import tool_row_fields
-from rollout.dynamic_sampling import sampling_row_fields
-from rollout.evaluation import row_fields
 from rollout.procedure import VersionMismatch, generate_batch, summary
 from rollout.types import RolloutBatch
 from tasks import faults, retention, runner, tracking
 from tasks.engines import ensure_engine_serves, kill_train_rank0, target_version, transport_for
 from tasks.evaluation import EVALUATE
+from tasks.metrics_row import metrics_row
 from tasks.partial_rollout import ROLLOUT_HEAD, continue_rollout, engines_serve, restarter
 from tasks.phases import phase
 from tasks.rollout_file import named_if_unusable
 from tasks.rollout_services import rollout_io
-from tasks.rollout_versions import continue_source, rollout_source
+from tasks.rollout_versions import continue_source, made_on, rollout_source
 from tasks.runner import Step
 from tasks.types import (
     IterationRow,
@@ -39,7 +37,6 @@ from tasks.types import (
     VerifyRecord,
 )
 from tasks.verify import check_serves, now, rollout_version
-from training.types import MISMATCH_METRICS
 
 __all__ = [
     "EVALUATE",
@@ -73,13 +70,6 @@ def _rollout_saved(ctx, k: int) -> Result | None:
     # generated before a crash: replay, never regenerate
     env = ctx.cfg.rollout.environment
     return summary(RolloutBatch.from_json(saved), gen_s=None, reused=True, environment=env)
-
-
-def _made_on(ctx, k: int) -> int:
-    """The iteration whose weights the rollout step of batch k generates on: with
-    ``rollout.partial``, the continuation's (its head is ``partial_rollout``'s)."""
-    later = continue_source(ctx, k)
-    return rollout_source(ctx, k) if later is None else later
 
 
 def _generate(ctx, k: int, engine_id: int | None) -> Result:
@@ -245,28 +235,10 @@ def _verify(ctx, k: int, engine_id: int) -> Result:
 
 
 # -- finish -----------------------------------------------------------------------
-BASE_EVAL = "evaluate_base"  # finish[1]'s input: the base model's evaluation (evaluate[0])
-
-
 def _finish(ctx, k: int, engine_id: None, results: dict[str, Result]) -> Result:
     """Append the metrics row; the runner then commits the iteration (written last)."""
-    r, t, p = results["rollout"], results["train"], results["publish"]
     reloads = [results[RELOAD.key(e)] for e in RELOAD.engine_ids(ctx) if RELOAD.key(e) in results]
-    row = {
-        "iteration": k,
-        "reward_mean": r["reward_mean"],
-        "rollout_version": _made_on(ctx, k),
-        **{key: t.get(key) for key in ("loss", "kl", *MISMATCH_METRICS)},
-        "gen_tokens_per_s": r.get("gen_tokens_per_s"),
-        "train_tokens_per_s": t.get("tokens_per_s"),
-        "publish_s": p.get("publish_s"),
-        "reload_s": max((x.get("reload_s") or 0.0 for x in reloads), default=0.0),
-        "example": r.get("example"),
-        **row_fields(results.get("evaluate")),
-        **row_fields(results.get(BASE_EVAL), prefix="eval_base"),
-        **tool_row_fields(r.get("tools")),
-        **sampling_row_fields(r.get("sampling")),
-    }
+    row = metrics_row(ctx, k, results, reloads)
     with phase("metrics"):
         ctx.store.append_metrics(k, row)
     # Before the iteration's commit; a tracker skips an iteration it already holds.
@@ -290,7 +262,7 @@ ROLLOUT = Step(
     kill="engine",
     turn="rollout",
     skip=_rollout_saved,
-    ready=lambda ctx, k, engine_id: engines_serve(ctx, _made_on(ctx, k)),
+    ready=lambda ctx, k, engine_id: engines_serve(ctx, made_on(ctx, k)),
     result=RolloutResult,
 )
 TRAIN = Step(

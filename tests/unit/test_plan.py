@@ -13,6 +13,7 @@ import pytest
 from flows.config import load_config
 from tasks import plan, steps
 from tasks.context import RunContext
+from tasks.metrics_row import BASE_EVAL
 
 
 def make_ctx(tmp_path, **over) -> RunContext:
@@ -247,7 +248,7 @@ def test_the_base_model_is_evaluated_before_the_first_batch_and_reaches_row_1(tm
     finish = next(n for n in plan.iteration_plan(ctx, 1) if n.step is steps.FINISH)
     done = {"evaluate@0": {"evaluated": True}, "rollout@1": {"r": 1}}
     assert plan.node_inputs(finish, done)["results"] == {
-        steps.BASE_EVAL: {"evaluated": True},
+        BASE_EVAL: {"evaluated": True},
         "rollout": {"r": 1},
     }
     off = make_ctx(tmp_path, **{"eval.interval": 2, "eval.before_training": False})
