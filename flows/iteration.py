@@ -18,7 +18,8 @@
 
 With ``rollout.max_staleness: N``, rollout[k+N] runs beside train[k] on v(k-1)
 and reload[k] waits for it; with ``rollout.partial`` only its head does, and the
-rest runs on v(k) after verify[k] (``tasks.plan`` draws the shapes). The DAG is
+rest runs on v(k) first thing in iteration k+1, beside train[k+1] (``tasks.plan``
+draws the shapes). The DAG is
 ``tasks.plan.iteration_plan``, written once; this module and the plain driver
 (``flows/driver.py``) both hand it to ``tasks.plan.walk``, which starts a node
 when what it waits for has succeeded, so a failed step leaves no task run
