@@ -240,6 +240,13 @@ def main() -> None:
     )
     ap.add_argument("--out", default="bench/results/pipeline.json")
     args = ap.parse_args()
+    # Learning per second fits batches of versions >= 1: at staleness N, batches N+2 on.
+    short = [n for n in args.staleness if args.iterations < n + 3]
+    if short:
+        ap.error(
+            f"--iterations {args.iterations} leaves staleness {short} fewer than two batches "
+            f"made by trained weights; use --iterations {max(short) + 3} or more"
+        )
 
     from flows.config import parse_override
 
