@@ -87,7 +87,7 @@ def partial_reference(ray_cluster, tmp_path_factory) -> dict[str, str]:
             assert versions == ({0} if k <= 2 else {k - 3, k - 2}), (k, versions)
             assert {s["weight_version"] for s in samples} == {max(k - 3, 0)}
         # The metrics row names the newest weights the batch came from: its reward
-        # measures them (the UI and trackers plot reward against it).
+        # measures them (the UI's table shows it; bench.pipeline reads it).
         rows = store.read_metrics()
         assert [r["rollout_version"] for r in rows] == [
             max(k - 2, 0) for k in range(1, ITERATIONS + 1)
