@@ -2,7 +2,14 @@
 rewards are all equal has zero advantage under every group baseline, so it
 spends a batch slot on no gradient. Such groups are dropped and more prompts
 are generated, round after round, until the batch holds ``rollout.batch_size``
-groups or ``rollout.dynamic_sampling.max_rounds`` rounds ran.
+groups or ``rollout.dynamic_sampling.max_rounds`` rounds ran. A later round asks
+the gap divided by the share of groups kept so far (``ask``), at most one batch:
+asking only the gap would leave a batch short after every round while groups
+are dropped at the same rate, and on a GPU a round of a few prompts takes as
+long as a full one (decoding is latency-bound there), so the rounds, not the
+prompts, set the rollout's time. Peers over-sample the same way, by a fixed
+factor (verl's ``gen_batch_size``, slime's ``over_sampling_batch_size``); the
+batch's own keep rate follows the policy as it learns.
 
 Owns (its setting is ``rollout.config.DynamicSamplingConfig``) which prompts a later round asks
 (``extra_prompts``: a function of (seed, k, round), disjoint from every
@@ -43,6 +50,16 @@ def extra_prompts(source, k: int, round_: int, count: int, batch_size: int) -> l
         raise ValueError(f"a round asks 1..{batch_size} prompts, not {count}")
     start = EXTRA_INDEX_BASE + ((k - 1) * 1024 + round_) * batch_size
     return source.prompts(range(start, start + count))
+
+
+def ask(need: int, kept: int, asked: int, batch_size: int) -> int:
+    """Prompts the next round asks for ``need`` more informative groups when
+    ``kept`` of the ``asked`` groups so far were kept: the gap over the keep rate,
+    rounded up, at most ``batch_size`` (one round's block of prompt indices); a
+    full batch when none was kept."""
+    if kept == 0:
+        return batch_size
+    return min(batch_size, -(-need * asked // kept))
 
 
 def groups(samples: list[Sample], n: int) -> list[list[Sample]]:
@@ -99,16 +116,18 @@ def fill(
         need = size - len(kept)
         if need <= 0 or rounds >= ds.max_rounds:
             break
-        out = generate(extra_prompts(source, k, rounds, need, size))
+        more = ask(need, len(kept), asked, size)
+        out = generate(extra_prompts(source, k, rounds, more, size))
     # Dropped groups fill what the rounds left short, oldest first.
     filled = max(size - len(kept), 0)
     chosen = (kept + dropped[:filled])[:size]
     record = SamplingRecord(
         rounds=rounds,
         prompts=asked,
-        dropped_groups=asked - len(kept),
+        dropped_groups=len(dropped),
         filled_uniform=filled,
         reward_mean_generated=reward_sum / (asked * n),
+        unused_groups=max(len(kept) - size, 0),
     )
     samples = [s for g in chosen for s in g]
     batch = RolloutBatch(iteration=k, n_samples_per_prompt=n, samples=samples, sampling=record)

@@ -112,6 +112,10 @@ class SamplingRecord:
     # batch's mean is not (the dropped groups were all wrong or all right). None in a
     # batch persisted before it was recorded.
     reward_mean_generated: float | None = None
+    # Informative groups past the batch: a later round asks the gap over the keep
+    # rate, so it may keep more than it needed. Generated, counted in the reward
+    # above, not trained on (0 in a batch persisted before rounds over-asked).
+    unused_groups: int = 0
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ class RolloutResult(StepResult):
     # multi-turn: {retries, replaced, dropped} of rollout.failures; None for single-turn
     failures: dict[str, int] | None = None
     # rollout.dynamic_sampling: {rounds, prompts, dropped_groups, filled_uniform,
-    # reward_mean_generated}; None when off
+    # reward_mean_generated, unused_groups}; None when off
     sampling: dict[str, float | int | None] | None = None
     # multi-turn: {calls, bad_calls, call_rate, correct, correct_after_call} (rollout.agent.tool_use)
     tools: dict[str, float | int | None] | None = None

@@ -6,7 +6,7 @@ every sample (a group of equal rewards) or in alternate samples, by the seed."""
 from __future__ import annotations
 
 from rollout.config import RolloutConfig
-from rollout.dynamic_sampling import EXTRA_INDEX_BASE, informative, sampling_row_fields
+from rollout.dynamic_sampling import EXTRA_INDEX_BASE, ask, informative, sampling_row_fields
 from rollout.procedure import generate_batch, summary
 from tests.unit.test_procedure import FakeTokenizer
 
@@ -52,19 +52,19 @@ def test_groups_of_equal_rewards_are_replaced_until_the_batch_is_full():
     groups = [batch.samples[i : i + n] for i in range(0, len(batch.samples), n)]
     assert len(groups) == cfg.batch_size and all(informative(g) for g in groups)
     record = batch.sampling
-    assert record.rounds == len(calls) > 1  # the seed rule made some first-round groups uniform
-    assert calls[1:] == [
-        c for c in calls[1:] if c < cfg.batch_size
-    ]  # later rounds ask only the gap
-    assert record.prompts == sum(calls)
-    assert record.dropped_groups == record.prompts - cfg.batch_size
-    assert record.filled_uniform == 0
+    # The seed rule made 2 of the first 8 groups uniform: 6 kept of 8, 2 short. The
+    # second round asks the gap over that keep rate, ceil(2 / (6/8)) = 3, and keeps
+    # all 3: one more than the batch needed.
+    assert calls == [8, 3] and record.rounds == 2
+    assert record.prompts == 11 and record.dropped_groups == 2
+    assert record.unused_groups == 1 and record.filled_uniform == 0
     # the rollout step's ledger result carries the record
     assert summary(batch, gen_s=1.0, reused=False)["sampling"]["rounds"] == record.rounds
     # The kept groups are half right (mean 0.5), the dropped ones all right: the metrics
     # row shows the policy's reward over everything generated beside the kept batch's.
     assert sum(batch.rewards) / len(batch.rewards) == 0.5
-    generated = (record.dropped_groups * 1.0 + cfg.batch_size * 0.5) / record.prompts
+    kept = cfg.batch_size + record.unused_groups
+    generated = (record.dropped_groups * 1.0 + kept * 0.5) / record.prompts
     assert record.reward_mean_generated == generated > 0.5
     row = sampling_row_fields(summary(batch, gen_s=1.0, reused=False)["sampling"])
     assert row == {"reward_mean_generated": generated, "sampling_rounds": record.rounds}
@@ -75,6 +75,14 @@ def test_groups_of_equal_rewards_are_replaced_until_the_batch_is_full():
     again, _ = _run(cfg)
     assert again.to_json() == batch.to_json()
     assert type(batch).from_json(batch.to_json()) == batch
+
+
+def test_a_later_round_asks_the_gap_over_the_keep_rate_at_most_a_batch():
+    assert ask(need=2, kept=6, asked=8, batch_size=8) == 3  # 2 / 0.75 = 2.67, up
+    assert ask(need=4, kept=4, asked=8, batch_size=8) == 8  # half kept: twice the gap
+    assert ask(need=6, kept=2, asked=8, batch_size=8) == 8  # 24 wanted, one batch at most
+    assert ask(need=8, kept=0, asked=8, batch_size=8) == 8  # none kept: a full batch
+    assert ask(need=1, kept=7, asked=8, batch_size=8) == 2  # 1 / 0.875 = 1.14, up
 
 
 def test_a_batch_still_short_after_the_last_round_is_filled_with_dropped_groups():
