@@ -133,7 +133,10 @@ staleness)
     # second after the first iteration. PARTIAL=1 adds rollout.partial; SEEDS="0 1"
     # repeats each staleness per seed (the spread is the learning figures' noise);
     # BENCH_SET adds overrides and BENCH_TAG names the file, as for `bench`
-    # (BENCH_SET="rollout.dynamic_sampling.enabled=true": rollouts whose rounds vary).
+    # (BENCH_SET="rollout.dynamic_sampling.enabled=true": rollout-bound, its rounds
+    # vary with the keep rate). Each run starts its own engine (55-134 s): one call of
+    # 600 s holds three 12-iteration runs; give each its own BENCH_TAG so every
+    # finished one lands in $OUT even if the call is cut.
     with_site configs/smollm2-gpu.yaml /tmp/smollm2-gpu.yaml
     sets=()
     for kv in ${BENCH_SET:-}; do sets+=(--set "$kv"); done
