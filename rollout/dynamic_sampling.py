@@ -5,9 +5,10 @@ are generated, round after round, until the batch holds ``rollout.batch_size``
 groups or ``rollout.dynamic_sampling.max_rounds`` rounds ran. A later round asks
 the gap divided by the share of groups kept so far (``ask``), at most one batch:
 asking only the gap would leave a batch short after every round while groups
-are dropped at the same rate, and on a GPU a round of a few prompts takes as
-long as a full one (decoding is latency-bound there), so the rounds, not the
-prompts, set the rollout's time. Peers over-sample the same way, by a fixed
+are dropped at the same rate (SmolLM2 on the H100: all 4 rounds for every batch),
+and each round has a cost of its own beside its prompts' (the three later rounds
+there, each a fraction of a batch, took about a third of the full first round's
+time each). Peers over-sample the same way, by a fixed
 factor (verl's ``gen_batch_size``, slime's ``over_sampling_batch_size``); the
 batch's own keep rate follows the policy as it learns.
 
