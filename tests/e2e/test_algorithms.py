@@ -58,7 +58,11 @@ def test_each_algorithm_learns_on_the_default_task(ray_cluster, tmp_path, name):
     store = RunStore(cfg.storage, cfg.run.name)
     if name == "dapo":  # dynamic sampling replaced groups of equal rewards
         batch = RolloutBatch.from_json(store.read_rollouts(1))
-        assert batch.sampling.rounds > 1 and batch.sampling.dropped_groups > 0
+        s = batch.sampling
+        assert s.rounds > 1 and s.dropped_groups > 0
+        # every prompt asked is accounted for: in the batch, dropped, or kept past it
+        batch_size = cfg.rollout.batch_size
+        assert s.prompts == batch_size - s.filled_uniform + s.dropped_groups + s.unused_groups
         # the metrics row (UI table, trackers) shows the reward of all that was generated
         # beside the kept batch's, and the rounds it took
         assert rows[0]["sampling_rounds"] == batch.sampling.rounds
