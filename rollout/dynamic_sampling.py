@@ -131,5 +131,11 @@ def fill(
         unused_groups=max(len(kept) - size, 0),
     )
     samples = [s for g in chosen for s in g]
-    batch = RolloutBatch(iteration=k, n_samples_per_prompt=n, samples=samples, sampling=record)
+    batch = RolloutBatch(
+        iteration=k,
+        n_samples_per_prompt=n,
+        samples=samples,
+        sampling=record,
+        temperature=first.batch.temperature,
+    )
     return replace(first, batch=batch, gen_s=gen_s)

@@ -77,7 +77,9 @@ def generate_head(
     t0 = time.perf_counter()
     samples = single_turn(head_cfg, seed, k, version, tokenizer, generate_groups, restart, prompts)
     gen_s = time.perf_counter() - t0
-    return Generated(RolloutBatch(k, cfg.n_samples_per_prompt, samples), gen_s)
+    return Generated(
+        RolloutBatch(k, cfg.n_samples_per_prompt, samples, temperature=cfg.temperature), gen_s
+    )
 
 
 def continue_batch(
@@ -111,7 +113,7 @@ def continue_batch(
     prompts = PromptSource(cfg, seed).batch(k)
     answers = [s.response_text for s in samples]
     samples = scored(cfg, score, prompts, samples, answers)
-    return Generated(RolloutBatch(k, n, samples), gen_s)
+    return Generated(RolloutBatch(k, n, samples, temperature=cfg.temperature), gen_s)
 
 
 def _unfinished(cfg: RolloutConfig, s: Sample) -> bool:

@@ -119,7 +119,9 @@ def generate_batch(
         answers = [s.response_text for s in samples]
     gen_s = time.perf_counter() - t0
     samples = scored(cfg, io.score, prompts, samples, answers)
-    batch = RolloutBatch(iteration=k, n_samples_per_prompt=n, samples=samples)
+    batch = RolloutBatch(
+        iteration=k, n_samples_per_prompt=n, samples=samples, temperature=cfg.temperature
+    )
     out = Generated(batch, gen_s)
     if not first_round:
         return out

@@ -125,11 +125,21 @@ class RolloutBatch:
     samples: list[Sample] = field(default_factory=list)  # [batch_size * n]
     sampling: SamplingRecord | None = None  # dynamic sampling's record; None when off
     failures: FailureRecord | None = None  # multi-turn: retries and drops; None when none
+    # The temperature the samples were drawn at (rollout.temperature): the trainer scores
+    # them under log_softmax(logits / temperature), the distribution the engines sampled
+    # from and took their logprobs under. None: a batch persisted before it was recorded,
+    # which the trainer scored at 1.0 and replays at 1.0 (the same bytes on resume).
+    temperature: float | None = None
+
+    @property
+    def train_temperature(self) -> float:
+        """The temperature the trainer scores this batch at."""
+        return 1.0 if self.temperature is None else self.temperature
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["samples"] = [s.to_json() for s in self.samples]
-        for key in ("sampling", "failures"):  # absent records persist as before
+        for key in ("sampling", "failures", "temperature"):  # absent records persist as before
             if data[key] is None:
                 del data[key]
         return data
@@ -143,11 +153,24 @@ class RolloutBatch:
             samples=[Sample.from_json(s) for s in data["samples"]],
             sampling=SamplingRecord(**sampling) if sampling else None,
             failures=FailureRecord.from_json(failures) if failures else None,
+            temperature=_temperature(data.get("temperature")),
         )
 
     @property
     def rewards(self) -> list[float]:
         return [s.reward for s in self.samples]
+
+
+def _temperature(value: Any) -> float | None:
+    """A persisted batch's temperature: None (not recorded) or a positive number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"rollout batch temperature {value!r} is not a positive number; the file is "
+            "damaged: delete it and rerun rollout[k] to regenerate the batch"
+        )
+    return float(value)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from rollout.config import RolloutConfig
 from rollout.evaluation import EvalConfig
 from storage.config import StorageConfig
 from tasks.tracking_config import TrackingConfig
-from training.config import ModelConfig, TrainConfig, WeightsConfig
+from training.config import ModelConfig, TrainConfig, WeightsConfig, check_precision
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -117,6 +117,7 @@ class RunConfig(BaseModel):
                 "within a group of samples of one prompt"
             )
         _check_no_credentials(self.storage.root)
+        check_precision(self.train, self.model)
         remote = "://" in self.storage.root and not self.storage.root.startswith("file://")
         if self.weights.transport in ("disk", "tensor", "distributed") and remote:
             raise ValueError(

@@ -32,6 +32,9 @@ def metrics_row(
         # The weights that made the batch: reward_mean measures them, not the newest.
         "rollout_version": made_on(ctx, k),
         **{key: t.get(key) for key in ("loss", "kl", *MISMATCH_METRICS)},
+        # train.mismatch's gate: True where the KL above is over max_kl for a batch the
+        # trainer's own weights made; None where the gate does not apply.
+        "rollout_logprob_kl_over": t.get("rollout_logprob_kl_over"),
         "gen_tokens_per_s": r.get("gen_tokens_per_s"),
         "train_tokens_per_s": t.get("tokens_per_s"),
         "publish_s": p.get("publish_s"),

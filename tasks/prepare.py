@@ -223,7 +223,38 @@ def check_run(cfg: RunConfig, inputs: bool = True) -> str:
         tracking_config.check(cfg)
     if cfg.ray.address is not None:
         check_address(cfg.ray.address)  # a dead cluster fails in seconds, before any lease
+    warn_precision_gap(cfg, path)
     return path
+
+
+def warn_precision_gap(cfg: RunConfig, path: str) -> str | None:
+    """One WARNING when SGLang serves the base model's bf16 while the trainer computes
+    in fp32: the two then score different weights (an fp32 step of 1e-5 mostly
+    vanishes in bf16 rounding), and ``rollout_logprob_kl`` grows as the run learns.
+    Returns the warning, None when there is no gap."""
+    from training.config import TrainerSections
+
+    if cfg.engines.kind != "sglang" or TrainerSections.of(cfg).compute_dtype != "float32":
+        return None
+    args = [a.replace("=", " ") for a in cfg.engines.sglang.extra_args]
+    if "--dtype float32" in " ".join(args):
+        return None
+    try:
+        hf = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the engine's own start reports an unreadable model
+    served = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if served == "float32":
+        return None
+    message = (
+        f"the trainer computes in float32 while SGLang serves {path} in {served}: the engines "
+        "sample from weights the trainer never scores (the gap grows as the run learns; "
+        "rollout_logprob_kl shows it). Set train.compute_dtype: bfloat16 (fp32 master "
+        "weights, bf16 forward and backward), or add --dtype float32 to "
+        "engines.sglang.extra_args"
+    )
+    log.warning(message)
+    return message
 
 
 def take_lease(ctx: RunContext, force: bool = False, wait: bool = True) -> RunContext:

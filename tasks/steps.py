@@ -37,6 +37,7 @@ from tasks.types import (
     VerifyRecord,
 )
 from tasks.verify import check_serves, now, rollout_version
+from training.types import mismatch_message
 
 __all__ = [
     "EVALUATE",
@@ -110,7 +111,16 @@ def _state(k_of):
 
 def _train(ctx, k: int, engine_id: int | None) -> Result:
     with named_if_unusable(ctx, k):  # rewards that make NaN: the file and how to regenerate it
-        return ctx.trainer().train(k)
+        out = ctx.trainer().train(k)
+    if out.get("rollout_logprob_kl_over") and ctx.cfg.run.name not in _MISMATCH_WARNED:
+        _MISMATCH_WARNED.add(ctx.cfg.run.name)  # once per run and process: the row keeps each
+        gate = ctx.cfg.train.mismatch
+        kl, tau = out["rollout_logprob_kl"], out.get("temperature", 1.0)
+        log.warning(mismatch_message(k, kl, gate.max_kl, tau))
+    return out
+
+
+_MISMATCH_WARNED: set[str] = set()
 
 
 def _is_last(ctx, k: int) -> bool:

@@ -137,6 +137,10 @@ class IterationRow(StepResult):
     rollout_logprob_abs_diff: float | None = None
     rollout_logprob_kl: float | None = None
     rollout_correction_frac: float | None = None
+    # train.mismatch: rollout_logprob_kl over max_kl for a batch the trainer's own
+    # weights made (the engines and the trainer score one model differently); None
+    # where the gate does not apply (off-policy after the first batches, or no gate).
+    rollout_logprob_kl_over: bool | None = None
     gen_tokens_per_s: float | None
     train_tokens_per_s: float | None
     publish_s: float | None

@@ -13,6 +13,7 @@ algorithms where torch has them. Same config + same world size → same bytes.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -29,6 +30,7 @@ from training.durable import DurableState
 from training.export import drop_tied
 from training.host_staging import HostStaging
 from training.types import MISMATCH_METRICS as MISMATCH
+from training.types import RolloutMismatchError, mismatch_message
 
 
 class StateMismatchError(RuntimeError):
@@ -75,9 +77,14 @@ class TrainActor(DurableState):
     def setup(self) -> None:
         """Threads, determinism and the process group; call once on every rank."""
         torch.set_num_threads(self.cfg.torch_threads)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        bt.set_determinism(self.device)
         bt.init_distributed(
-            self.rank, self.world_size, self.master_addr, self.master_port, self.device
+            self.rank,
+            self.world_size,
+            self.master_addr,
+            self.master_port,
+            self.device,
+            sharded=self._sharded(),
         )
 
     def ping(self) -> dict[str, Any]:
@@ -102,17 +109,19 @@ class TrainActor(DurableState):
 
     def init_from_base(self, model_path: str) -> int:
         """Build model (+ frozen reference when kl_coef > 0) and AdamW from ``model_path``."""
-        n = self.world_size
-        self.model = bt.build_model(model_path, self.model_cfg.dtype, self.device, n)
-        if self.cfg.loss.kl_coef > 0:
-            self.ref_model = bt.build_model(model_path, self.model_cfg.dtype, self.device, n)
-            self.ref_model.requires_grad_(False).eval()
-        self.optim = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=self.cfg.lr,
-            weight_decay=self.cfg.weight_decay,
-            foreach=False,  # one fixed per-parameter update order
+        build = functools.partial(
+            bt.build_model,
+            model_path,
+            self.model_cfg.dtype,
+            self.device,
+            self.world_size,
+            self.sections.compute_dtype,
         )
+        self.model = build()
+        if self.cfg.loss.kl_coef > 0:
+            self.ref_model = build()  # scores in the compute dtype, as the policy does
+            self.ref_model.requires_grad_(False).eval()
+        self.optim = bt.adamw(self.model, self.cfg.lr, self.cfg.weight_decay, self.device)
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
         self.base_model_path = model_path
@@ -141,7 +150,7 @@ class TrainActor(DurableState):
     def _bindable_model(self) -> torch.nn.Module | None:
         """The model whose tensors a push's staging buffer may take over (one rank
         holds full tensors with the pushed names); None when sharded."""
-        return self.model if self.world_size == 1 else None
+        return None if bt.is_sharded(self.model) else self.model
 
     def offload(self) -> dict[str, Any]:
         """Sleep: free the device memory of the weights, optimizer state and reference
@@ -162,14 +171,15 @@ class TrainActor(DurableState):
             [self.model, self.ref_model], self.optim
         )
 
-    def score(self, input_ids: list[list[int]]) -> torch.Tensor:
+    def score(self, input_ids: list[list[int]], temperature: float = 1.0) -> torch.Tensor:
         """Next-token logprobs [B, T-1] of equal-length ``input_ids`` under the
-        current weights (for evaluation and checks). Collective when sharded."""
+        current weights at ``temperature`` (for evaluation and checks). Collective
+        when sharded."""
         self._require_model()
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         self.model.eval()
         with torch.no_grad():
-            return bt.token_logprobs(self.model, ids, torch.ones_like(ids))[0].cpu()
+            return bt.token_logprobs(self.model, ids, torch.ones_like(ids), temperature)[0].cpu()
 
     # -- training ----------------------------------------------------------
     def train_step(self, k: int) -> dict[str, float]:
@@ -181,13 +191,35 @@ class TrainActor(DurableState):
         dp_rank = self._data_parallel_rank()
         mbs = rank_micro_batches(full, dp_rank, self._data_parallel_size(), self.cfg)
         torch.manual_seed(step_seed(self.seed, k, dp_rank))
-        old, ref = self._reference_logprobs(mbs)
-        sums = self._accumulate(mbs, old, ref, full.num_tokens)
+        tau = batch.train_temperature
+        old, ref = self._reference_logprobs(mbs, tau)
+        sums = self._accumulate(mbs, old, ref, full.num_tokens, tau)
+        over = self._mismatch_gate(k, batch, sums)
         grad_norm = self._clip_grad_norm()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         self._iteration = k
-        return self._metrics(sums, grad_norm, full, time.perf_counter() - t0)
+        metrics = self._metrics(sums, grad_norm, full, time.perf_counter() - t0)
+        return {**metrics, "temperature": tau, "rollout_logprob_kl_over": over}
+
+    def _mismatch_gate(self, k: int, batch: RolloutBatch, sums: torch.Tensor) -> bool | None:
+        """Whether ``rollout_logprob_kl`` is over ``train.mismatch.max_kl`` for a batch
+        that the weights this rank holds made (only there is the gap not learning);
+        None where the gate does not apply. ``on_exceed: error`` raises before the
+        optimizer step, so the trainer still holds state k - 1."""
+        gate = self.cfg.mismatch
+        if gate.max_kl is None or any(s.versions != [k - 1] for s in batch.samples):
+            return None
+        n = max(float(sums[-1]), 1.0)
+        kl = float(sums[5 + MISMATCH.index("rollout_logprob_kl")]) / n
+        if kl <= gate.max_kl:
+            return False
+        if gate.on_exceed == "error":
+            self.optim.zero_grad(set_to_none=True)
+            raise RolloutMismatchError(
+                mismatch_message(k, kl, gate.max_kl, batch.train_temperature)
+            )
+        return True
 
     def _rollouts(self, k: int, step: str) -> RolloutBatch:
         """The persisted rollouts of iteration k, which ``step`` trains on."""
@@ -224,8 +256,9 @@ class TrainActor(DurableState):
             return staging.copy(drop_tied(self.model, bt.full_model_state(self.model, True)))
         return drop_tied(self.model, bt.full_model_state(self.model))
 
-    def _reference_logprobs(self, mbs: list) -> tuple[list, list]:
-        """Old logprobs and reference logprobs (when the KL term is on); no autograd graph.
+    def _reference_logprobs(self, mbs: list, temperature: float) -> tuple[list, list]:
+        """Old logprobs and reference logprobs (when the KL term is on) at the batch's
+        sampling ``temperature``; no autograd graph.
 
         On-policy (``rollout.max_staleness: 0``) the old logprobs are the current
         weights', which generated the batch, so the ratio starts at 1: ``None``
@@ -239,7 +272,6 @@ class TrainActor(DurableState):
         """
         old: list = []
         ref: list = []
-        packed = self.cfg.pack_sequences
         corrected = self.cfg.loss.rollout_correction.kind != "none"
         behaviour = self.sections.rollout.max_staleness > 0 and not corrected
         if not behaviour:
@@ -256,12 +288,29 @@ class TrainActor(DurableState):
                 if behaviour:
                     old.append(mb.rollout_logprobs)
                 if self.ref_model is not None:
-                    ids, am = mb.input_ids, mb.attention_mask
-                    ref.append(bt.token_logprobs(self.ref_model, ids, am, packed=packed)[0])
+                    ref.append(self._logprobs(self.ref_model, mb, temperature)[0])
         return old, ref
 
-    def _accumulate(self, mbs: list, old: list, ref: list, global_tokens: int) -> torch.Tensor:
-        """Forward/backward each micro-batch; returns summed metrics for the all-reduce."""
+    def _logprobs(
+        self, model: torch.nn.Module, mb: Any, temperature: float, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A micro-batch's logprobs (and entropy) at its loss positions, at ``temperature``."""
+        return bt.token_logprobs(
+            model,
+            mb.input_ids,
+            mb.attention_mask,
+            temperature,
+            positions=mb.loss_mask,
+            with_entropy=with_entropy,
+            entropy_grad=with_entropy and self.cfg.loss.entropy_coef > 0,
+            packed=self.cfg.pack_sequences,
+        )
+
+    def _accumulate(
+        self, mbs: list, old: list, ref: list, global_tokens: int, temperature: float
+    ) -> torch.Tensor:
+        """Forward/backward each micro-batch at the batch's sampling ``temperature``;
+        returns summed metrics for the all-reduce."""
         lc = self.cfg.loss
         self.model.train()
         self.optim.zero_grad(set_to_none=True)
@@ -273,14 +322,7 @@ class TrainActor(DurableState):
         sums = torch.zeros(6 + len(MISMATCH), dtype=torch.float64)
         for i, mb in enumerate(mbs):
             mb = self._to_device(mb)
-            lp, ent = bt.token_logprobs(
-                self.model,
-                mb.input_ids,
-                mb.attention_mask,
-                with_entropy=True,
-                entropy_grad=lc.entropy_coef > 0,
-                packed=self.cfg.pack_sequences,
-            )
+            lp, ent = self._logprobs(self.model, mb, temperature, with_entropy=True)
             loss, m = policy_loss(
                 lc,
                 lp,
@@ -343,6 +385,10 @@ class TrainActor(DurableState):
         }
 
     # -- helpers -----------------------------------------------------------
+    def _sharded(self) -> bool:
+        """Whether this rank's model is FSDP2-wrapped (several ranks, or mixed precision)."""
+        return bt.needs_sharding(self.world_size, self.model_cfg.dtype, self.sections.compute_dtype)
+
     def _to_device(self, mb: Any) -> Any:
         if self.device.type == "cpu":
             return mb

@@ -48,7 +48,7 @@ def policy_loss(
     second. None means this call's own counts.
 
     ``rollout_logprobs`` [B, T]: the engines' logprobs of the sampled tokens. Given,
-    the metrics hold the mismatch of ``old_logprobs`` (the trainer's at the step's
+    the metrics hold the mismatch of ``logprobs`` (the trainer's at the step's
     start) against them, and ``cfg.rollout_correction`` weighs each token's term.
     """
     rc = cfg.rollout_correction
@@ -59,7 +59,10 @@ def policy_loss(
         weights, extra = correction.correction_weights(
             rc.kind, old_logprobs, rollout_logprobs, mask, rc.cap, rc.low, rc.high
         )
-        extra.update(correction.mismatch_metrics(old_logprobs, rollout_logprobs, mask))
+        # Against this forward's own logprobs: the trainer's at the step's start (one
+        # optimizer step per batch), whatever the ratio divides by (off-policy without a
+        # correction, the engines' own, which would measure nothing).
+        extra.update(correction.mismatch_metrics(logprobs, rollout_logprobs, mask))
     loss, metrics = _loss_of_kind(
         cfg,
         (logprobs, old_logprobs, advantages, mask),

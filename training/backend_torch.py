@@ -8,7 +8,11 @@ reads or writes storage and never knows about iterations or rollouts.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from transformers import AutoModelForCausalLM
+
+from training.logprobs import token_stats
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # cpu_offload + full_state_dict: rank 0 gets CPU tensors, the other ranks get {}.
@@ -36,29 +42,77 @@ def pick_device(num_gpus_per_worker: float) -> torch.device:
 
 
 def init_distributed(
-    rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: torch.device,
+    sharded: bool = False,
 ) -> None:
-    """Join the trainer process group (gloo on CPU, NCCL on GPU); no-op for one rank."""
-    if world_size <= 1 or dist.is_initialized():
+    """Join the trainer process group (gloo on CPU, NCCL on GPU). One rank joins a
+    group of its own only when ``sharded`` (FSDP2 mixed precision needs a mesh)."""
+    if dist.is_initialized() or (world_size <= 1 and not sharded):
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if world_size <= 1:  # an in-process store: no port to find or hold
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         return
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
     dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(minutes=10),
+        backend=backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=10)
     )
 
 
-def build_model(path: str, dtype: str, device: torch.device, world_size: int) -> nn.Module:
-    """Load the HF causal LM at ``path``; FSDP2-shard it when ``world_size`` > 1."""
+def set_determinism(device: torch.device) -> None:
+    """Deterministic kernels where torch has them. On a GPU, cuBLAS needs a fixed
+    workspace for its GEMMs to be (it reads the variable when its handle is made, at
+    the first GEMM of the process), and fp32 matmuls use TF32. What stays
+    nondeterministic on a GPU (atomics in some backward kernels, SDPA's memory-
+    efficient backward) warns once, not at every call: GPU runs are best-effort."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def adamw(model: nn.Module, lr: float, weight_decay: float, device: torch.device) -> Any:
+    """AdamW over ``model``'s parameters: fused on a GPU (one kernel for every
+    parameter); on CPU one parameter at a time (``foreach=False``), in a fixed order,
+    so a resumed run's bytes match."""
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=lr,
+        weight_decay=weight_decay,
+        fused=fused or None,
+        foreach=None if fused else False,
+    )
+
+
+def build_model(
+    path: str,
+    dtype: str,
+    device: torch.device,
+    world_size: int,
+    compute_dtype: str | None = None,
+) -> nn.Module:
+    """Load the HF causal LM at ``path`` with ``dtype`` weights; FSDP2-shard it when
+    ``world_size`` > 1 or when it computes in another dtype (``needs_sharding``)."""
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=DTYPES[dtype], attn_implementation="sdpa"
     )
     model.to(device)
-    if world_size > 1:
-        shard_model(model, device, world_size)
+    if needs_sharding(world_size, dtype, compute_dtype):
+        shard_model(model, device, world_size, compute_dtype)
     return model
+
+
+def needs_sharding(world_size: int, dtype: str, compute_dtype: str | None) -> bool:
+    """Whether the model is wrapped in FSDP2: several ranks, or one rank whose forward
+    and backward run in another dtype than its weights (FSDP2's mixed precision casts
+    each layer's weights once per use and reduces the gradients in fp32)."""
+    return world_size > 1 or (compute_dtype is not None and compute_dtype != dtype)
 
 
 def build_value_model(
@@ -106,13 +160,21 @@ def _unpack(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def shard_model(model: nn.Module, device: torch.device, world_size: int) -> None:
+def shard_model(
+    model: nn.Module, device: torch.device, world_size: int, compute_dtype: str | None = None
+) -> None:
     """``fully_shard`` each decoder layer (HF's ``_no_split_modules``), then the root,
-    so each layer's parameters are gathered only while that layer runs."""
+    so each layer's parameters are gathered only while that layer runs. With
+    ``compute_dtype``, each gathered layer is cast to it (the master weights stay in
+    their dtype) and gradients are reduced in fp32."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world_size,))
+    policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[compute_dtype] if compute_dtype else None,
+        reduce_dtype=torch.float32,
+    )
     layer_types = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_types]
     if not layers:
@@ -121,42 +183,126 @@ def shard_model(model: nn.Module, device: torch.device, world_size: int) -> None
             "the torch backend cannot shard it per layer"
         )
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def token_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    positions: torch.Tensor | None = None,
     with_entropy: bool = False,
     entropy_grad: bool = False,
     packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprob of each next token, [B, T-1], and optionally the entropy of each
-    next-token distribution. Computed in float32 whatever the model dtype.
-    The entropy keeps no graph unless ``entropy_grad`` (it is a [B, T, V] product).
+    """Logprob of each next token, [B, T-1] float32, under ``log_softmax(logits /
+    temperature)``: the distribution the engines sampled the batch from and report
+    their own logprobs under (``rollout.types.RolloutBatch.temperature``). With
+    ``with_entropy``, also that distribution's entropy per position; it keeps no
+    graph unless ``entropy_grad``.
+
+    ``positions`` [B, T-1] (bool or 0/1): the next-token positions to score (the
+    loss mask); the others are 0. None: every real token's. Only these positions
+    reach the output layer: hidden states at them go through ``training.logprobs``
+    in chunks, so no [B, T, V] tensor exists in forward or backward (5 GB of fp32
+    per 8k tokens at Qwen's vocabulary). A model whose output layer is not a plain
+    linear map (megatron's view, logit soft-capping) takes the full-logits path.
 
     ``packed``: run the right-padded rows as one row of their real tokens
     (``pack_rows``) and give the result back in the padded layout, 0 on padding.
     Same values as the padded forward up to float rounding."""
+    if temperature <= 0:
+        raise ValueError(
+            f"token logprobs at temperature {temperature}: a greedy batch has no sampling "
+            "distribution to train on; train on batches sampled at a temperature > 0"
+        )
+    real = attention_mask[:, 1:].bool()
+    wanted = real if positions is None else positions.bool() & real
     if packed:
-        return _packed_token_logprobs(model, input_ids, attention_mask, with_entropy, entropy_grad)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    return _next_token_stats(logits[:, :-1], input_ids[:, 1:], with_entropy, entropy_grad)
+        flat, pos_ids, keep = pack_rows(input_ids, attention_mask)
+        # Row-major boolean indexing walks the padded targets in the packed order.
+        select = torch.zeros_like(keep)
+        select[keep] = wanted[real]
+        kwargs = {"input_ids": flat, "position_ids": pos_ids}
+        targets = flat[:, 1:]
+    else:
+        select = wanted
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        targets = input_ids[:, 1:]
+    if packed:
+        select = select.unsqueeze(0)
+    stats = partial(
+        _selected_stats,
+        select=select,
+        targets=targets[select],
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    )
+    head = _plain_output_layer(model)
+    if head is None:
+        logits = model(**kwargs, use_cache=False).logits
+        lp, ent = stats(logits, None)
+    else:
+        with _output_layer_replaced(head, lambda hidden: stats(hidden, head.weight)):
+            lp, ent = model(**kwargs, use_cache=False).logits
+    return _scatter(lp, wanted), (None if ent is None else _scatter(ent, wanted))
 
 
-def _next_token_stats(
-    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, entropy_grad: bool
+def _selected_stats(
+    out: torch.Tensor,
+    weight: torch.Tensor | None,
+    select: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprob of ``targets`` under ``logits`` [..., V] and optionally the entropy."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = -(logp.exp() * logp).sum(-1)
-    return lp, entropy
+    """Stats at the ``select``ed next-token positions of ``out`` [B, L, H or V]:
+    hidden states through ``weight`` (chunked), or logits when ``weight`` is None."""
+    rows = out[:, :-1][select]
+    if weight is None:
+        logp = torch.log_softmax(rows.float() / temperature, dim=-1)
+        lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = -(logp.exp() * logp).sum(-1)
+        return lp, entropy
+    return token_stats(rows, weight, targets, temperature, with_entropy, entropy_grad)
+
+
+def _plain_output_layer(model: nn.Module) -> nn.Linear | None:
+    """The model's output layer when the logits are exactly ``hidden @ weight.T``."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    config = getattr(model, "config", None)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if not isinstance(head, nn.Linear) or head.bias is not None or softcap:
+        return None
+    return head
+
+
+@contextmanager
+def _output_layer_replaced(head: nn.Linear, forward: Callable) -> Iterator[None]:
+    """Run ``forward`` in place of the output layer for one model call. It runs inside
+    the model's own forward, so FSDP2 has the layer's weight gathered (and in the
+    compute dtype) exactly as it would be for the logits."""
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _scatter(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """Values at the ``where`` positions back in the padded layout [B, T-1], 0 elsewhere;
+    row-major boolean indexing walks the positions in the order they were taken."""
+    out = values.new_zeros(where.shape)
+    out[where] = values
+    return out
 
 
 def pack_rows(
@@ -177,19 +323,6 @@ def pack_rows(
     keep = torch.ones(flat.shape[1], dtype=torch.bool, device=input_ids.device)
     keep[torch.cumsum(lengths, 0) - 1] = False  # each sample's last token
     return flat, positions.unsqueeze(0), keep[:-1]
-
-
-def _packed_token_logprobs(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    with_entropy: bool,
-    entropy_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    flat, positions, keep = pack_rows(input_ids, attention_mask)
-    logits = model(input_ids=flat, position_ids=positions, use_cache=False).logits
-    lp, ent = _next_token_stats(logits[0, :-1][keep], flat[0, 1:][keep], with_entropy, entropy_grad)
-    return _unpack(lp, attention_mask), (_unpack(ent, attention_mask) if ent is not None else None)
 
 
 def full_model_state(model: nn.Module, device: bool = False) -> dict[str, torch.Tensor]:

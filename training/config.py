@@ -207,6 +207,29 @@ class CriticConfig(BaseModel):
     )
 
 
+class MismatchConfig(BaseModel):
+    """The gate on the gap between the engines' logprobs and the trainer's
+    (``rollout_logprob_kl``), read where the trainer holds the very weights that
+    made the batch (every iteration on-policy, the first one off-policy): there the
+    gap is not learning but a difference in how the two score one model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_kl: float | None = Field(
+        0.01,
+        gt=0,
+        allow_inf_nan=False,
+        description="The largest rollout_logprob_kl a batch made by the trainer's own "
+        "weights may show (a bf16 engine beside a bf16-compute trainer: about 1e-3); "
+        "None: no gate",
+    )
+    on_exceed: Literal["warn", "error"] = Field(
+        "warn",
+        description="warn: one WARNING per run naming the usual causes, and the row's "
+        "rollout_logprob_kl_over; error: train[k] fails before its optimizer step",
+    )
+
+
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -239,10 +262,29 @@ class TrainConfig(BaseModel):
         "(position ids restart per sample, block-diagonal causal mask); torch backend only. "
         "Needs max_tokens_per_micro_batch: sdpa builds the row's mask, tokens^2 in size",
     )
+    compute_dtype: Literal["float32", "bfloat16"] | None = Field(
+        None,
+        description="The dtype of the forward and backward passes; master weights and the "
+        "optimizer state stay in model.dtype. bfloat16 over float32 weights: FSDP2 mixed "
+        "precision (each step runs on the bf16 cast of the master weights, the same bf16 "
+        "weights an engine serving bf16 gets; logprobs and gradient reductions in fp32). "
+        "None: model.dtype",
+    )
     release_after_publish: bool = False
+    mismatch: MismatchConfig = MismatchConfig()
     loss: LossConfig = LossConfig()
     critic: CriticConfig = CriticConfig()
     megatron: MegatronConfig = MegatronConfig()
+
+    @field_validator("compute_dtype", mode="before")
+    @classmethod
+    def _no_float16(cls, v: object) -> object:
+        if v in ("float16", "fp16", "half"):
+            raise ValueError(
+                f"train.compute_dtype {v!r}: float16 needs loss scaling, which the trainer "
+                "does not do; use bfloat16 (same speed on GPUs that have it, no scaling)"
+            )
+        return v
 
     @field_validator("node_resource")
     @classmethod
@@ -340,6 +382,22 @@ class WeightsConfig(BaseModel):
     )
 
 
+def check_precision(train: TrainConfig, model: ModelConfig) -> None:
+    """``train.compute_dtype`` against ``model.dtype`` and the backend (ValueError)."""
+    if train.compute_dtype == "float32" and model.dtype == "bfloat16":
+        raise ValueError(
+            "train.compute_dtype float32 over model.dtype bfloat16 computes in fp32 from "
+            "weights and updates rounded to bf16; set model.dtype: float32 (fp32 master "
+            "weights) or train.compute_dtype: bfloat16"
+        )
+    if train.backend == "megatron" and train.compute_dtype not in (None, model.dtype):
+        raise ValueError(
+            f"train.backend megatron computes in model.dtype ({model.dtype}); "
+            f"train.compute_dtype {train.compute_dtype} over it is the torch backend's; "
+            "unset train.compute_dtype or use train.backend: torch"
+        )
+
+
 class RunIdentity(BaseModel):
     """Who the trainer works for: run name (storage folder and actor names), seed
     and the Ray namespace its named actors live in."""
@@ -372,6 +430,16 @@ class TrainerSections(BaseModel):
     weights: WeightsConfig
     # max_staleness: whose logprobs the importance ratio divides by (``of`` always passes it)
     rollout: RolloutConfig = RolloutConfig()
+
+    @model_validator(mode="after")
+    def _check_precision(self) -> TrainerSections:
+        check_precision(self.train, self.model)
+        return self
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the forward and backward run in."""
+        return self.train.compute_dtype or self.model.dtype
 
     @classmethod
     def of(cls, run_cfg: _HasTrainerSections) -> TrainerSections:

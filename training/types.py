@@ -19,3 +19,22 @@ class UnusableRollout(ValueError):
     float32, or one whose sums overflow). Training on it would make the weights
     NaN, and a persisted batch is reused by every retry: the caller names its file
     and how to generate it again."""
+
+
+class RolloutMismatchError(RuntimeError):
+    """The engines and the trainer score the same weights too differently to train
+    (``train.mismatch.on_exceed: error``)."""
+
+
+def mismatch_message(k: int, kl: float, max_kl: float, temperature: float) -> str:
+    """What a gate over ``train.mismatch.max_kl`` says: the figure and the usual causes."""
+    return (
+        f"rollout_logprob_kl {kl:.4g} at iteration {k} is above train.mismatch.max_kl "
+        f"{max_kl:g}: the engines and the trainer score the weights that made the batch "
+        "differently, and the loss reads that gap as a policy change. Usual causes: the "
+        f"temperature (the batch was sampled at {temperature:g}, and both sides "
+        "must score at it), the dtype (a trainer computing in fp32 beside an engine serving "
+        "bf16: set train.compute_dtype: bfloat16), the tokenisation or chat template "
+        "(rollout.chat_template), or the engine's version. Raise train.mismatch.max_kl, or "
+        "set it to null, to train anyway"
+    )

@@ -70,3 +70,17 @@ def test_validation_does_not_rewrite_settings():
     cfg = load_config(None, ["rollout.temperature=0.7", "train.lr=0.0003"])
     assert cfg.rollout.temperature == 0.7
     assert cfg.train.lr == 0.0003
+
+
+def test_precision_settings_are_checked_at_load():
+    cfg = load_config(None, ["train.compute_dtype=bfloat16"])
+    assert cfg.train.compute_dtype == "bfloat16" and cfg.model.dtype == "float32"
+    with pytest.raises(ConfigError, match=r"float16 needs loss scaling.*use bfloat16"):
+        load_config(None, ["train.compute_dtype=float16"])
+    with pytest.raises(ConfigError, match=r"set model.dtype: float32"):
+        load_config(None, ["train.compute_dtype=float32", "model.dtype=bfloat16"])
+    with pytest.raises(ConfigError, match=r"megatron computes in model.dtype"):
+        load_config(None, ["train.backend=megatron", "train.compute_dtype=bfloat16"])
+    with pytest.raises(ConfigError, match=r"on_exceed"):
+        load_config(None, ["train.mismatch.on_exceed=stop"])
+    assert load_config(None, ["train.mismatch.max_kl=null"]).train.mismatch.max_kl is None

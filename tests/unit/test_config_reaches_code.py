@@ -46,6 +46,9 @@ TRAINER_KEYS = {
     "train.micro_batch_size",
     "train.max_tokens_per_micro_batch",
     "train.pack_sequences",
+    "train.compute_dtype",
+    "train.mismatch.max_kl",
+    "train.mismatch.on_exceed",
     "train.loss.kind",
     "train.loss.advantage",
     "train.loss.clip_eps",
@@ -151,8 +154,11 @@ def schema_keys() -> dict[str, FieldInfo]:
 def candidates(f: FieldInfo) -> list[Any]:
     """Values other than the default, in the order tried."""
     ann, default = f.annotation, f.default
+    literal = [a for a in typing.get_args(ann) if typing.get_origin(a) is typing.Literal]
     if typing.get_origin(ann) is typing.Literal:
         values = list(typing.get_args(ann))
+    elif literal:  # Literal[...] | None
+        values = list(typing.get_args(literal[0]))
     elif ann is bool:
         values = [not default]
     elif ann is int:

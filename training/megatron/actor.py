@@ -9,7 +9,7 @@ and the step, which slices data by the *data-parallel* rank (TP peers see the
 same rows), all-reduces gradients over the data-parallel group and clips with
 a norm that counts TP-sharded parameters across the TP group.
 
-Optimizer: ``torch.optim.AdamW`` (``foreach=False``), as the torch backend.
+Optimizer: ``torch.optim.AdamW`` (fused, on the GPU), as the torch backend.
 Megatron's ``DistributedOptimizer`` needs its ``DistributedDataParallel``
 wrapper (contiguous ``main_grad`` buffers) and writes a per-rank sharded state
 that only ``dist_checkpointing`` reads back. At TP = PP = 1 on one GPU it buys
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
+from training import backend_torch as bt
 from training.actor import TrainActor
 from training.megatron import checkpoint as mcheckpoint
 from training.megatron.convert import spec_from_hf_config
@@ -56,7 +57,7 @@ class MegatronTrainActor(TrainActor):
                 "CPU); set train.num_gpus_per_worker: 1 on a GPU machine, or use train.backend: torch"
             )
         torch.set_num_threads(self.cfg.torch_threads)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        bt.set_determinism(self.device)
         mc = self.cfg.megatron
         init_parallel(
             self.rank,
@@ -96,12 +97,7 @@ class MegatronTrainActor(TrainActor):
         if self.cfg.loss.kl_coef > 0:
             self.ref_model = self._build(hf_cfg, hf_state)
             self.ref_model.requires_grad_(False).eval()
-        self.optim = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=self.cfg.lr,
-            weight_decay=self.cfg.weight_decay,
-            foreach=False,  # one fixed per-parameter update order
-        )
+        self.optim = bt.adamw(self.model, self.cfg.lr, self.cfg.weight_decay, self.device)
         pad = getattr(hf_cfg, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
         self.base_model_path = model_path
