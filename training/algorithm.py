@@ -16,6 +16,7 @@ import torch
 from training import advantages as adv
 from training import correction, losses
 from training.config import LossConfig
+from training.losses import Metrics
 from training.shaping import overlong_keep, overlong_penalty
 
 _ESTIMATORS = {
@@ -39,7 +40,7 @@ def policy_loss(
     num_tokens: float | None = None,
     num_sequences: float | None = None,
     rollout_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """The ``cfg.kind`` loss of one micro-batch ([B, T] tokens, [B] advantages).
 
     ``num_tokens`` / ``num_sequences``: the whole batch's response tokens and
@@ -83,7 +84,7 @@ def _loss_of_kind(
     num_tokens: float | None,
     num_sequences: float | None,
     **reg: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """The loss function ``cfg.kind`` names, with its clip settings, on ``args``."""
     if cfg.kind == "grpo":
         return losses.grpo_loss(*args, cfg.clip_eps, num_tokens=num_tokens, **reg)

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from training.losses import k3_kl
+from training.losses import Metrics, k3_kl
 
 
 def log_ratio(
@@ -89,7 +89,7 @@ def correction_weights(
     cap: float,
     low: float,
     high: float,
-) -> tuple[torch.Tensor | None, dict[str, float]]:
+) -> tuple[torch.Tensor | None, Metrics]:
     """The ``kind`` weights [B, T] (None for ``none``) of the trainer's ``logprobs``
     against the engine's, and ``rollout_correction_frac``: the share of response
     tokens truncated (tis) or rejected (the masks; a rejected row's tokens all count)."""
@@ -108,12 +108,12 @@ def correction_weights(
         raise ValueError(f"unknown rollout correction kind {kind!r}")
     m = mask.to(logprobs.dtype)
     frac = (changed.to(m.dtype) * m).sum() / m.sum().clamp(min=1.0)
-    return weights, {"rollout_correction_frac": float(frac)}
+    return weights, {"rollout_correction_frac": frac}
 
 
 def mismatch_metrics(
     logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
+) -> Metrics:
     """Means over response tokens of |trainer - engine| (``rollout_logprob_abs_diff``)
     and of the k3 estimate of KL(engine || trainer) (``rollout_logprob_kl``, >= 0; the
     tokens were sampled by the engine, so it is the sampling side of the KL)."""
@@ -121,6 +121,6 @@ def mismatch_metrics(
     count = m.sum().clamp(min=1.0)
     lp, rollout = logprobs.detach(), rollout_logprobs.detach()
     return {
-        "rollout_logprob_abs_diff": float(((lp - rollout).abs() * m).sum() / count),
-        "rollout_logprob_kl": float((k3_kl(rollout, lp) * m).sum() / count),
+        "rollout_logprob_abs_diff": (((lp - rollout).abs() * m).sum() / count).detach(),
+        "rollout_logprob_kl": ((k3_kl(rollout, lp) * m).sum() / count).detach(),
     }

@@ -156,7 +156,12 @@ class CriticActor(TrainActor):
             loss.backward()
             n = float(mb.loss_mask.sum())
             sums += torch.tensor(
-                [float(loss.detach()) / dp, m["vf_clip_frac"] * n, m["vf_loss"] * n, n],
+                [
+                    float(loss.detach()) / dp,
+                    float(m["vf_clip_frac"]) * n,
+                    float(m["vf_loss"]) * n,
+                    n,
+                ],
                 dtype=torch.float64,
             )
         return self._all_reduce_sums(sums)

@@ -54,7 +54,7 @@ def _forward(
         logp.sub_(lse[s:e, None])  # in place: one [rows, V] float32 buffer, not two
         lp[s:e] = logp.gather(1, targets[s:e, None]).squeeze(1)
         if ent is not None:
-            ent[s:e] = -(logp.exp() * logp).sum(-1)
+            ent[s:e] = -logp.exp().mul_(logp).sum(-1)
     return lp, lse, ent
 
 
@@ -88,7 +88,7 @@ class _TokenStats(torch.autograd.Function):
             logp = _chunk_logits(h, weight, ctx.t).sub_(lse[s:e, None])
             coef = g_lp[s:e, None]
             if g_ent is not None:  # d(lp)/dz + d(H)/dz, weighted by their output grads
-                coef = coef + g_ent[s:e, None] * (logp + ent[s:e, None])
+                coef = (logp + ent[s:e, None]).mul_(g_ent[s:e, None]).add_(coef)
             dz = logp.exp_().mul_(coef).neg_()  # -p * coef, reusing the logp buffer
             dz.scatter_add_(1, targets[s:e, None], g_lp[s:e, None]).div_(ctx.t)
             dz = dz.to(hidden.dtype)  # autograd casts here too (backward of .float())
@@ -130,6 +130,10 @@ def token_stats(
         raise ValueError(
             f"need hidden [N, H], weight [V, H] and targets [N]; got hidden "
             f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}, targets {tuple(targets.shape)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one to match"
         )
     t = float(temperature)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)

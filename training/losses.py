@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import torch
 
+# A loss's metrics: detached 0-d tensors on the loss's device (or plain floats), read
+# on the host once per step by the caller; a float() here would stall the device
+# queue at every micro-batch.
+Metrics = dict[str, torch.Tensor | float]
+
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || ref): exp(ref - lp) - (ref - lp) - 1 (>= 0)."""
@@ -26,7 +31,7 @@ def _regularise(
     logprobs: torch.Tensor,
     mask: torch.Tensor,
     count: torch.Tensor,
-    metrics: dict[str, float],
+    metrics: Metrics,
     ref_logprobs: torch.Tensor | None,
     kl_coef: float,
     entropy: torch.Tensor | None,
@@ -35,11 +40,11 @@ def _regularise(
     """Add the k3 KL penalty and subtract the entropy bonus per token; log both."""
     if ref_logprobs is not None:
         kl = k3_kl(logprobs, ref_logprobs)
-        metrics["kl"] = float((kl.detach() * mask).sum() / count)
+        metrics["kl"] = (kl.detach() * mask).sum() / count
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl
     if entropy is not None:
-        metrics["entropy"] = float((entropy.detach() * mask).sum() / count)
+        metrics["entropy"] = (entropy.detach() * mask).sum() / count
         if entropy_coef > 0:
             per_token = per_token - entropy_coef * entropy
     return per_token
@@ -58,7 +63,7 @@ def _token_clip_loss(
     entropy: torch.Tensor | None,
     entropy_coef: float,
     is_weights: torch.Tensor | None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """Sum over masked tokens of the PPO-clip term (ratio clipped to
     [1 - clip_low, 1 + clip_high]), times ``is_weights`` when given, divided by
     ``denom`` (default: masked tokens)."""
@@ -75,8 +80,8 @@ def _token_clip_loss(
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
     metrics = {
-        "pg_loss": float((per_token.detach() * mask).sum() / count),
-        "clip_frac": float(((clipped > unclipped).to(mask.dtype) * mask).sum() / count),
+        "pg_loss": (per_token.detach() * mask).sum() / count,
+        "clip_frac": (((clipped > unclipped).to(mask.dtype) * mask).sum() / count).detach(),
     }
     per_token = _regularise(
         per_token, logprobs, mask, count, metrics, ref_logprobs, kl_coef, entropy, entropy_coef
@@ -96,7 +101,7 @@ def grpo_loss(
     entropy_coef: float = 0.0,
     num_tokens: float | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """GRPO (Shao et al. 2024, DeepSeekMath) PPO-clip loss with a symmetric ``clip_eps``.
 
     Unlike the paper's per-sequence mean (1/|o_i|), it aggregates at token level
@@ -129,7 +134,7 @@ def dapo_loss(
     entropy_coef: float = 0.0,
     num_tokens: float | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """DAPO (Yu et al. 2025) loss: decoupled clip ("clip-higher"), token-level mean.
 
     The ratio is clipped to [1 - clip_eps_low, 1 + clip_eps_high] (the paper:
@@ -166,7 +171,7 @@ def dr_grpo_loss(
     entropy_coef: float = 0.0,
     num_sequences: float | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training") loss.
 
     PPO-clip per token, summed over each sequence's tokens and divided by the
@@ -208,7 +213,7 @@ def gspo_loss(
     entropy_coef: float = 0.0,
     num_sequences: float | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization") loss.
 
     One ratio per sequence, s_i = ``sequence_ratio`` (length-normalised), clipped
@@ -240,8 +245,8 @@ def gspo_loss(
         # corrections, the only ones LossConfig allows with gspo.
         per_seq = per_seq * (is_weights.detach() * mask).sum(dim=1) / lengths.clamp(min=1.0)
     metrics = {
-        "pg_loss": float((per_seq.detach() * lengths).sum() / count),
-        "clip_frac": float(((clipped > unclipped).to(mask.dtype) * lengths).sum() / count),
+        "pg_loss": (per_seq.detach() * lengths).sum() / count,
+        "clip_frac": (((clipped > unclipped).to(mask.dtype) * lengths).sum() / count).detach(),
     }
     # The regularisers are token terms; zero start so only they are summed per row.
     zero = torch.zeros_like(logprobs)
@@ -259,7 +264,7 @@ def value_loss(
     mask: torch.Tensor,
     clip_eps: float | None,
     num_tokens: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """PPO's clipped value loss (Schulman et al. 2017, as in OpenAI baselines' ppo2):
     0.5 * max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2) per token,
     summed over masked tokens and divided by ``num_tokens`` (default: masked tokens).
@@ -277,7 +282,7 @@ def value_loss(
         clipped_active = (clipped > unclipped).to(mask.dtype)
     per_token = 0.5 * per_token
     metrics = {
-        "vf_loss": float((per_token.detach() * mask).sum() / count),
-        "vf_clip_frac": float((clipped_active * mask).sum() / count),
+        "vf_loss": (per_token.detach() * mask).sum() / count,
+        "vf_clip_frac": ((clipped_active * mask).sum() / count).detach(),
     }
     return (per_token * mask).sum() / denom, metrics

@@ -198,3 +198,5 @@ def test_bad_shapes_are_named():
         token_stats(hidden, weight, targets[:12])
     with pytest.raises(ValueError, match="chunk_rows must be >= 1, got 0"):
         token_stats(hidden, weight, targets, chunk_rows=0)
+    with pytest.raises(ValueError, match="hidden is torch.bfloat16 but weight is torch.float32"):
+        token_stats(hidden.bfloat16(), weight, targets)

@@ -1,0 +1,132 @@
+"""The torch trainer on a GPU: mixed precision scores the bf16 weights an engine
+serves, logprobs never build a [tokens, vocab] tensor, and a step neither warns
+at every GEMM nor changes its bytes when run again."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from train_helpers import synthetic_batch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from rollout.types import RolloutBatch, Sample
+from storage.config import StorageConfig
+from storage.run_store import RunStore
+from training.actor import TrainActor
+from training.config import ModelConfig, RunIdentity, TrainConfig, TrainerSections, WeightsConfig
+from training.tiny_model import write_tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def cuda_actor(tmp_path: Path, model_dir: Path, name: str, **train) -> TrainActor:
+    storage = StorageConfig(root=str(tmp_path / "runs"))
+    cfg = TrainConfig(num_gpus_per_worker=1, micro_batch_size=8, lr=1e-3, **train)
+    sections = TrainerSections(
+        train=cfg, model=ModelConfig(), storage=storage, weights=WeightsConfig()
+    )
+    actor = TrainActor(RunIdentity(name=name, seed=3, namespace="t"), sections, 0, "", 0)
+    actor.setup()
+    actor.init_from_base(str(model_dir))
+    return actor
+
+
+def with_rollouts(actor: TrainActor, iterations: range, make=synthetic_batch) -> TrainActor:
+    store = RunStore(actor.storage_cfg, actor.run_name)
+    for k in iterations:
+        store.write_rollouts(k, make(k).to_json())
+    return actor
+
+
+def test_bf16_compute_scores_the_bf16_cast_of_the_master_weights(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    actor = with_rollouts(
+        cuda_actor(tmp_path, model_dir, "mp", compute_dtype="bfloat16"), range(1, 3)
+    )
+    assert actor.optim.defaults["fused"] is True
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for k in (1, 2):
+            actor.train_step(k)
+    assert not [w for w in seen if "CUBLAS_WORKSPACE_CONFIG" in str(w.message)]
+    master = actor._hf_state()
+    assert all(t.dtype == torch.float32 for t in master.values())  # fp32 master weights
+    # What an engine serving bf16 holds after a push: the master cast to bf16.
+    served = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    served.load_state_dict({k: v.to(torch.bfloat16) for k, v in master.items()}, strict=False)
+    served = served.cuda().eval()
+    fp32 = AutoModelForCausalLM.from_pretrained(model_dir).cuda().eval()
+    fp32.load_state_dict(master, strict=False)
+    ids = torch.tensor([[1, 5, 25, 6, 24, 7, 8, 9, 10, 11]], device="cuda")
+    with torch.no_grad():
+
+        def ref(model):
+            logits = model(input_ids=ids).logits[:, :-1].float() / 0.7
+            return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0].cpu()
+
+        got = actor.score(ids.tolist(), temperature=0.7)
+        bf16_gap = (got - ref(served)).abs().max().item()
+        fp32_gap = (got - ref(fp32)).abs().max().item()
+    assert bf16_gap <= 1e-2
+    assert bf16_gap < fp32_gap / 4  # it is the bf16 weights it scores, not the fp32 ones
+
+
+def test_logprobs_never_hold_tokens_times_vocab(tmp_path):
+    # Qwen's vocabulary on a tiny body: 8,192 tokens x 151,936 x 4 bytes would be 5 GB.
+    cfg = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "qwen")
+
+    def long_batch(k):  # 64 rows of 8 + 120 tokens: 8,192 tokens
+        g = torch.Generator().manual_seed(k)
+        samples = [
+            Sample(p, j, [1] + randint(7, g), randint(120, g), [-3.0] * 120, j % 2, k - 1, "length")
+            for p in range(16)
+            for j in range(4)
+        ]
+        return RolloutBatch(k, 4, samples)
+
+    actor = cuda_actor(tmp_path, tmp_path / "qwen", "vocab", compute_dtype="bfloat16")
+    actor.cfg = actor.cfg.model_copy(update={"micro_batch_size": 64})
+    with_rollouts(actor, range(1, 2), long_batch)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    actor.train_step(1)
+    peak = torch.cuda.max_memory_allocated() - base
+    tokens = int(sum(len(s.prompt_ids) + len(s.response_ids) for s in long_batch(1).samples))
+    full = tokens * cfg.vocab_size * 4  # one fp32 [tokens, vocab] tensor
+    assert peak < full / 2, (peak, full)
+
+
+def randint(n: int, g: torch.Generator) -> list[int]:
+    return torch.randint(4, 30000, (n,), generator=g).tolist()
+
+
+def test_a_step_repeats_its_bytes(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    states = []
+    for name in ("a", "b"):
+        actor = with_rollouts(
+            cuda_actor(tmp_path / name, model_dir, name, compute_dtype="bfloat16"), range(1, 3)
+        )
+        actor.train_step(1)
+        actor.train_step(2)
+        states.append(actor._hf_state())
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
