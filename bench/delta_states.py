@@ -126,7 +126,7 @@ def real_states(
     as host bf16 copies, with the changed fractions and what the steps were."""
     import torch
 
-    from bench.train_step import rollouts
+    from bench.train import rollouts
     from storage.config import StorageConfig
     from storage.run_store import RunStore
     from training.config import (

@@ -1,57 +1,87 @@
-"""Train-step throughput of the torch backend, against raw HF forward+backward.
+"""Trainer step at RL shapes: ``TrainActor.train_step`` beside a plain PyTorch loop.
 
-For each model (the tiny Llama, and a larger random-init Qwen2) it times
-``TrainActor.train_step`` (the real path: rollouts read from a local run
-store, old-logprob recompute, GRPO loss, clip, AdamW) and, as the baseline
-measured in the same run, one plain forward+backward+AdamW step of the same
-HF model over the same tokens. Prints a markdown table and writes
-``bench/results/train_step.json``. One rank, no Ray: this measures the step,
-not the orchestration.
+Owns this measurement and nothing else: it never changes trainer code, and the
+trainer runs with the shape's ``micro_batch_size`` and then exactly the settings
+of ``--set`` / ``--variants``. One rank, no Ray: it measures the step, not the
+orchestration.
 
-    python bench/train_step.py [--device cpu|cuda] [--repeats 3]
-        [--backend torch|megatron] [--dtype float32|bfloat16] [--models a,b]
+For each shape and variant it writes random-init weights and random rollouts
+(a local run store), builds a ``TrainActor`` (or ``MegatronTrainActor``), and
+alternates its ``train_step(k)`` with a plain PyTorch step over the same
+micro-batches of the same tokens, so machine noise hits both. Round 1 warms
+up; figures are medians of ``--repeats`` rounds.
 
-``--backend megatron`` times ``MegatronTrainActor.train_step`` (CUDA only);
-``--models qwen2-0.5b`` adds a Qwen2.5-0.5B-shaped random-init model.
+The plain loop is what a user would write by hand: the HF model with fp32
+master weights under ``torch.autocast(bfloat16)`` on CUDA (fp32, no autocast
+on CPU), next-token logprob by ``log_softmax(logits.float())`` + gather at
+temperature 1, ``-(adv * logp)`` over response tokens, ``clip_grad_norm_``,
+``AdamW`` (fused on CUDA, foreach on CPU), TF32 on and no deterministic
+algorithms. The trainer keeps the global flags its ``setup`` and
+``init_from_base`` left (each row's ``trainer_flags``); each side's flags are
+set before its step.
+
+Figures per row:
+- tokens/step: attention tokens (prompt + response) of every sample.
+- step s: wall seconds of one step, synchronized before the clock stops.
+- MFU: 6 * N * tokens / step s / peak. N = ``model.num_parameters()``
+  (embeddings included; an untied input embedding does no matmul, so small
+  untied models are flattered). 6N per token = forward 2N + backward 4N:
+  on-policy the trainer runs no separate old-logprob forward (the ratio's old
+  side is its training forward, detached), and ``train.loss.kl_coef`` > 0 adds
+  a reference forward that is not credited. Attention's T^2 term is left out.
+  Peak: ``--peak-tflops`` (989: H100 SXM bf16 dense; its TF32 dense is 495).
+- peak GiB: ``torch.cuda.max_memory_allocated`` over the step (reset before
+  it) less the other side's resident weights, grads and optimizer state, as
+  both live in this process; None on CPU.
+- plain/step: plain s / step s; above 1 the trainer is faster.
+
+    python -m bench.train [--shape tiny,qwen2-19m] [--set train.KEY=VALUE ...]
+        [--variants "LABEL:train.a=1,model.b=x" ...] [--repeats 3] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import platform
 import random
+import re
+import shlex
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
+from typing import Any
 
-# bench/rollout.py would shadow the rollout package when run as a script.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+import torch
+import transformers
+import yaml
+from pydantic import ValidationError
+from transformers import AutoConfig, AutoModelForCausalLM
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from rollout.types import RolloutBatch, Sample
+from storage.config import StorageConfig
+from storage.run_store import RunStore
+from training.batch import TrainBatch, build_train_batch, rank_micro_batches
+from training.config import ModelConfig, RunIdentity, TrainConfig, TrainerSections, WeightsConfig
+from training.group import actor_class
+from training.qwen2_shape import write_qwen2_05b
+from training.tiny_model import write_tiny_model
 
-from rollout.types import RolloutBatch, Sample  # noqa: E402
-from storage.config import StorageConfig  # noqa: E402
-from storage.run_store import RunStore  # noqa: E402
-from training.config import (  # noqa: E402
-    ModelConfig,
-    RunIdentity,
-    TrainConfig,
-    TrainerSections,
-    WeightsConfig,
-)
-from training.group import actor_class  # noqa: E402
-from training.tiny_model import write_tiny_model  # noqa: E402
-
-PROMPTS, N, PROMPT_LEN, RESPONSE_LEN = 8, 4, 16, 48
+GIB = 2**30
+Rounds = list[tuple[float, int | None]]  # (seconds, peak CUDA bytes) of each round
 
 
 def write_qwen2(out: Path) -> Path:
     """A ~19M-parameter random-init Qwen2 (no tokenizer: train_step needs none)."""
-    cfg = Qwen2Config(
+    cfg = transformers.Qwen2Config(
         vocab_size=8192,
         hidden_size=512,
         intermediate_size=1376,
@@ -63,137 +93,277 @@ def write_qwen2(out: Path) -> Path:
         pad_token_id=0,
     )
     torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(out)
     return out
 
 
-def write_qwen2_05b(out: Path) -> Path:
-    """Qwen2.5-0.5B's shape (~494M parameters, tied embeddings), random init, bf16 on disk."""
-    cfg = Qwen2Config(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=1_000_000.0,
+def write_smollm2(out: Path) -> Path:
+    """SmolLM2-135M's shape (``configs/smollm2-gpu.yaml``), random init, bf16 on disk."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        rope_theta=100_000.0,
+        rms_norm_eps=1e-5,
         tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
         pad_token_id=0,
     )
     torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
     return out
 
 
-MODELS = {"tiny-llama": write_tiny_model, "qwen2-19m": write_qwen2, "qwen2-0.5b": write_qwen2_05b}
+@dataclass(frozen=True)
+class Shape:
+    write: Callable[[Path], Path]  # writes the HF model directory
+    prompts: int  # prompts per step
+    n: int  # samples per prompt
+    prompt_len: int  # tokens per prompt, bos included
+    response_len: int  # tokens per response
+    micro_batch_size: int  # train.micro_batch_size unless --set
+    gpu_only: bool = False  # minutes per step on CPU: refused there without --force
+
+
+SHAPES = {
+    "tiny": Shape(write_tiny_model, 8, 4, 16, 48, 8),
+    "qwen2-19m": Shape(write_qwen2, 8, 4, 16, 48, 8),
+    "smollm2-gpu": Shape(write_smollm2, 64, 8, 40, 48, 64, gpu_only=True),
+    "qwen2-0.5b": Shape(write_qwen2_05b, 32, 8, 32, 224, 16, gpu_only=True),
+}
 
 
 def rollouts(
     k: int,
     vocab: int,
-    prompts: int = PROMPTS,
-    n: int = N,
-    prompt_len: int = PROMPT_LEN,
-    response_len: int = RESPONSE_LEN,
+    prompts: int,
+    n: int,
+    prompt_len: int,
+    response_len: int,
     alternate: bool = False,
 ) -> RolloutBatch:
     """A GRPO batch of random tokens for iteration ``k`` (its own seed). Rewards are
     random, or with ``alternate`` 0, 1, 0, ... within each prompt's group, so that every
     group has a non-zero advantage (as a learning run's batches do)."""
     rng = random.Random(k)
-    samples = [
-        Sample(
-            p,
-            j,
-            [1] + [rng.randrange(4, vocab) for _ in range(prompt_len - 1)],
-            [rng.randrange(4, vocab) for _ in range(response_len)],
-            [-1.0] * response_len,
-            float(j % 2) if alternate else float(rng.random() < 0.5),
-            k - 1,
-            "length",
+
+    def sample(p: int, j: int) -> Sample:
+        prompt = [1] + [rng.randrange(4, vocab) for _ in range(prompt_len - 1)]
+        response = [rng.randrange(4, vocab) for _ in range(response_len)]
+        reward = float(j % 2) if alternate else float(rng.random() < 0.5)
+        return Sample(p, j, prompt, response, [-1.0] * response_len, reward, k - 1, "length")
+
+    return RolloutBatch(k, n, [sample(p, j) for p in range(prompts) for j in range(n)])
+
+
+def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``train.a.b=VALUE`` / ``model.a=VALUE`` items as nested dicts per section,
+    values read as YAML; later items win."""
+    out: dict[str, dict[str, Any]] = {"train": {}, "model": {}}
+    for item in items:
+        key, sep, value = item.partition("=")
+        section, *path = key.strip().split(".")
+        if not sep or section not in out or not path:
+            raise SystemExit(f"--set {item!r}: write train.KEY=VALUE or model.KEY=VALUE")
+        node = out[section]
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = yaml.safe_load(value)
+    return out
+
+
+def parse_variant(spec: str) -> tuple[str, list[str]]:
+    """``LABEL:train.a=1,model.b=x`` as (label, overrides); a comma starts a new
+    override only before ``train.`` or ``model.``, so YAML values may hold commas."""
+    label, sep, rest = spec.partition(":")
+    if not sep or not label.strip():
+        raise SystemExit(f"--variants {spec!r}: write LABEL:train.KEY=VALUE[,model.KEY=VALUE]")
+    return label.strip(), [s for s in re.split(r",(?=\s*(?:train|model)\.)", rest) if s.strip()]
+
+
+def trainer_sections(
+    shape: Shape, overrides: list[str], label: str, root: Path, device: str
+) -> TrainerSections:
+    """The bench's trainer defaults for ``shape`` with ``overrides`` on top; pydantic
+    rejects unknown keys and bad values (the config's own checks)."""
+    sets = parse_overrides(overrides)
+    train = {
+        "micro_batch_size": shape.micro_batch_size,
+        "torch_threads": torch.get_num_threads(),
+        "num_gpus_per_worker": 1.0 if device == "cuda" else 0.0,
+        **sets["train"],
+    }
+    try:
+        return TrainerSections(
+            train=TrainConfig(**train),
+            model=ModelConfig(**sets["model"]),
+            storage=StorageConfig(root=str(root)),
+            weights=WeightsConfig(),
         )
-        for p in range(prompts)
-        for j in range(n)
-    ]
-    return RolloutBatch(k, n, samples)
+    except ValidationError as err:
+        raise SystemExit(f"variant {label!r} ({' '.join(overrides)}): {err}") from None
 
 
-def bench_model(
-    name: str,
-    path: Path,
-    root: Path,
-    device: str,
-    repeats: int,
-    backend: str = "torch",
-    dtype: str = "float32",
-    profile: bool = False,
-) -> dict:
-    vocab = AutoModelForCausalLM.from_pretrained(path).config.vocab_size
-    store_cfg = StorageConfig(root=str(root))
-    store = RunStore(store_cfg, name)
-    for k in range(1, repeats + 2 + int(profile)):
-        store.write_rollouts(k, rollouts(k, vocab).to_json())
-    cfg = TrainConfig(
-        backend=backend,
-        micro_batch_size=8,
-        torch_threads=torch.get_num_threads(),
-        num_gpus_per_worker=1.0 if device == "cuda" else 0.0,
+class PlainLoop:
+    """The hand-written mixed-precision step (see the module doc)."""
+
+    def __init__(self, path: Path, device: torch.device) -> None:
+        self.device, cuda = device, device.type == "cuda"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="sdpa"
+        ).to(device)
+        self.optim = torch.optim.AdamW(
+            self.model.parameters(), lr=1e-6, fused=cuda or None, foreach=not cuda or None
+        )
+        self.autocast = (lambda: torch.autocast("cuda", torch.bfloat16)) if cuda else nullcontext
+
+    def step(self, mbs: list[TrainBatch]) -> None:
+        self.model.train()
+        loss_tokens = sum(float(mb.loss_mask.sum()) for mb in mbs)
+        for mb in mbs:
+            ids, am = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
+            mask, adv = mb.loss_mask.to(self.device), mb.advantages.to(self.device)
+            with self.autocast():
+                logits = self.model(input_ids=ids, attention_mask=am, use_cache=False).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+            (-(adv[:, None] * logp * mask).sum() / loss_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+
+
+FLAG_NAMES = ("deterministic", "deterministic_warn_only", "tf32_matmul", "tf32_cudnn")
+
+
+def global_flags() -> tuple:
+    """The process-wide switches the two sides set differently (``FLAG_NAMES``)."""
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
     )
-    sections = TrainerSections(
-        train=cfg, model=ModelConfig(dtype=dtype), storage=store_cfg, weights=WeightsConfig()
-    )
+
+
+def set_flags(flags: tuple) -> None:
+    deterministic, warn_only, tf32_matmul, tf32_cudnn = flags
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.backends.cuda.matmul.allow_tf32 = tf32_matmul
+    torch.backends.cudnn.allow_tf32 = tf32_cudnn
+
+
+TORCH_DEFAULTS = global_flags()  # as torch starts, before any actor's setup()
+PLAIN_FLAGS = (False, False, True, True)  # no deterministic algorithms, TF32 on
+
+
+def resident_bytes(*objs: Any) -> int:
+    """CUDA bytes of these modules' parameters and grads and optimizers' state."""
+    tensors: list[torch.Tensor | None] = []
+    for obj in objs:
+        if isinstance(obj, torch.optim.Optimizer):
+            tensors += [v for st in obj.state.values() for v in st.values() if torch.is_tensor(v)]
+        elif obj is not None:
+            tensors += [t for p in obj.parameters() for t in (p, p.grad)]
+    # FSDP2 (train.compute_dtype, more ranks) holds DTensors: count their local shards.
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local if t.is_cuda
+    }
+    return sum(storages.values())
+
+
+def timed(step: Callable[[], object], flags: tuple, cuda: bool) -> tuple[float, int | None]:
+    """Seconds of one ``step()`` under ``flags`` and its peak allocated CUDA bytes."""
+    set_flags(flags)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, (torch.cuda.max_memory_allocated() if cuda else None)
+
+
+def bench_row(
+    name: str, path: Path, label: str, sections: TrainerSections, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One row: the trainer of ``sections`` and the plain loop over rollouts 1.. of ``name``."""
+    cuda = args.device == "cuda"
+    set_flags(TORCH_DEFAULTS)  # the previous row's plain flags must not reach setup()
     identity = RunIdentity(name=name, seed=0, namespace="prefect-rl")
-    actor = actor_class(backend)(identity, sections, 0, "127.0.0.1", 0)
+    actor = actor_class(sections.train.backend)(identity, sections, 0, "127.0.0.1", 0)
     actor.setup()
     actor.init_from_base(str(path))
-
-    # Baseline: the same tokens through plain HF forward + backward + AdamW.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.tensor([s.prompt_ids + s.response_ids for s in rollouts(1, vocab).samples])
-    chunks = ids.to(device).split(cfg.micro_batch_size)
-
-    def raw_step() -> float:
-        t0 = time.perf_counter()
-        for chunk in chunks:
-            model(input_ids=chunk, labels=chunk).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    # Alternate the two, so load from other processes hits both alike; the
-    # first round warms up.
-    steps, raw = [], []
-    for k in range(1, repeats + 2):
-        steps.append(actor.train_step(k))
-        raw.append(raw_step())
-    if profile:  # one more step under torch.profiler: where the step's time goes
-        print_profile(name, backend, lambda: actor.train_step(repeats + 2))
-    tokens = steps[-1]["tokens"]
-    step_s = statistics.median(m["train_s"] for m in steps[1:])
-    raw_s = statistics.median(raw[1:])
-    params = sum(p.numel() for p in model.parameters())
-    actor = model = opt = None  # free GPU memory before the next model
-    if device == "cuda":
+    trainer_flags = global_flags()
+    plain = PlainLoop(path, torch.device(args.device))
+    store = RunStore(sections.storage, name)
+    mbs = {}  # the trainer's own micro-batches of each round, for the plain loop
+    for k in range(1, args.repeats + 2):
+        full = build_train_batch(
+            RolloutBatch.from_json(store.read_rollouts(k)), actor.pad_id, sections.train.loss
+        )
+        mbs[k] = rank_micro_batches(full, 0, 1, sections.train)
+    step: Rounds = []
+    base: Rounds = []
+    for k in mbs:  # which side goes first alternates too
+        for side in ("trainer", "plain") if k % 2 else ("plain", "trainer"):
+            if side == "trainer":
+                step.append(timed(partial(actor.train_step, k), trainer_flags, cuda))
+            else:
+                base.append(timed(partial(plain.step, mbs[k]), PLAIN_FLAGS, cuda))
+    if args.profile:
+        set_flags(trainer_flags)
+        print_profile(f"{name} / {label}", partial(actor.train_step, args.repeats + 2))
+    peaks = (None, None)
+    if cuda:  # each side's peak less the other side's resident state
+        peaks = (
+            max(p for _, p in step[1:]) - resident_bytes(plain.model, plain.optim),
+            max(p for _, p in base[1:]) - resident_bytes(actor.model, actor.ref_model, actor.optim),
+        )
+    params = plain.model.num_parameters()
+    actor = plain = None  # free device memory before the next row
+    gc.collect()
+    if cuda:
         torch.cuda.empty_cache()
+    row = {"shape": name, "variant": label, "params": params, "micro_batches": len(mbs[1])}
+    row |= figures(params, int(full.attention_mask.sum()), step, base, peaks, args.peak_tflops)
+    row["trainer_flags"] = dict(zip(FLAG_NAMES, trainer_flags))
+    row["train_config"] = sections.train.model_dump(mode="json", exclude_defaults=True)
+    row["model_config"] = sections.model.model_dump(mode="json", exclude_defaults=True)
+    return row
+
+
+def figures(
+    params: int, tokens: int, step: Rounds, base: Rounds, peaks: tuple, peak_tflops: float | None
+) -> dict[str, Any]:
+    """A row's figures from the (seconds, peak bytes) of each round, round 1 dropped."""
+    step_s = statistics.median(s for s, _ in step[1:])
+    plain_s = statistics.median(s for s, _ in base[1:])
+    flops = 6 * params * tokens / (peak_tflops * 1e12) if peak_tflops else None
     return {
-        "model": name,
-        "backend": backend,
-        "dtype": dtype,
-        "params": params,
         "tokens_per_step": tokens,
-        "train_step_s": step_s,
+        "step_s": step_s,
         "tokens_per_s": tokens / step_s,
-        "raw_fwd_bwd_s": raw_s,
-        "raw_tokens_per_s": tokens / raw_s,
-        "ratio_vs_raw": raw_s / step_s,
+        "mfu": flops / step_s if flops else None,
+        "peak_mem_gib": None if peaks[0] is None else peaks[0] / GIB,
+        "plain_s": plain_s,
+        "plain_tokens_per_s": tokens / plain_s,
+        "plain_mfu": flops / plain_s if flops else None,
+        "plain_peak_mem_gib": None if peaks[1] is None else peaks[1] / GIB,
+        "plain_over_step": plain_s / step_s,
+        "step_s_rounds": [s for s, _ in step],
+        "plain_s_rounds": [s for s, _ in base],
     }
 
 
-def print_profile(name: str, backend: str, step: Callable[[], object]) -> None:
+def print_profile(title: str, step: Callable[[], object]) -> None:
     """The top operators of one ``step()`` by device time (self time on CPU runs)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -203,69 +373,114 @@ def print_profile(name: str, backend: str, step: Callable[[], object]) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    print(f"\nprofile of one train step: {name}, backend={backend}")
+    print(f"\nprofile of one train step: {title}")
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+    return f"cpu: {model or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    def f(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    print(
+        "| shape | variant | params | tokens/step | step s | tokens/s | MFU | peak GiB "
+        "| plain s | plain tokens/s | plain MFU | plain peak GiB | plain/step |"
+    )
+    print("|---" * 13 + "|")
+    for r in rows:
+        print(
+            f"| {r['shape']} | {r['variant']} | {r['params'] / 1e6:.1f}M | {r['tokens_per_step']} "
+            f"| {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {f(r['mfu'], '.1%')} "
+            f"| {f(r['peak_mem_gib'], '.2f')} | {r['plain_s']:.3f} "
+            f"| {r['plain_tokens_per_s']:.0f} | {f(r['plain_mfu'], '.1%')} "
+            f"| {f(r['plain_peak_mem_gib'], '.2f')} | {r['plain_over_step']:.2f}x |"
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--backend", choices=["torch", "megatron"], default="torch")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    cuda = torch.cuda.is_available()
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if cuda else "cpu")
+    ap.add_argument("--shape", action="append", help=f"repeatable or comma list of {list(SHAPES)}")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument("--variants", nargs="+", default=[], metavar="LABEL:OVERRIDES")
     ap.add_argument(
-        "--models", default="tiny-llama,qwen2-19m", help=f"comma list of {list(MODELS)}"
+        "--backend", choices=["torch", "megatron"], help="short for --set train.backend"
     )
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train_step.json"))
+    ap.add_argument("--repeats", type=int, default=3, help="measured rounds after one warm-up")
+    ap.add_argument("--peak-tflops", type=float, help="MFU's peak (default on CUDA: 989, H100)")
+    ap.add_argument("--force", action="store_true", help="run GPU shapes on CPU anyway")
+    ap.add_argument("--out", help="JSON path (default bench/results/train_<device>.json)")
     ap.add_argument("--profile", action="store_true", help="print one step's torch.profiler table")
     args = ap.parse_args()
+    transformers.utils.logging.disable_progress_bar()  # a bar per load buries the table
+    if args.device == "cuda" and not cuda:
+        raise SystemExit("--device cuda: torch sees no CUDA device; run on a GPU or --device cpu")
+    if args.peak_tflops is None and args.device == "cuda":
+        args.peak_tflops = 989.0
+    default_shapes = "tiny" if args.device == "cpu" else "smollm2-gpu,qwen2-0.5b"
+    shapes = [s for arg in args.shape or [default_shapes] for s in arg.split(",") if s]
+    for name in shapes:
+        if name not in SHAPES:
+            raise SystemExit(f"--shape {name!r}: choose from {list(SHAPES)}")
+        if SHAPES[name].gpu_only and args.device == "cpu" and not args.force:
+            raise SystemExit(
+                f"--shape {name} is a GPU shape (minutes per step on CPU); run it with "
+                "--device cuda, or pass --force to run it on CPU anyway"
+            )
+    common = ([f"train.backend={args.backend}"] if args.backend else []) + args.set
+    variants = [parse_variant(v) for v in args.variants] or [("default", [])]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        t = Path(tmp)
-        for name in args.models.split(","):
-            path = MODELS[name](t / name)
-            rows.append(
-                bench_model(
-                    name,
-                    path,
-                    t / "runs",
-                    args.device,
-                    args.repeats,
-                    args.backend,
-                    args.dtype,
-                    args.profile,
-                )
-            )
-    print(
-        f"\ntrain step, backend={args.backend}, dtype={args.dtype}, device={args.device}, "
-        f"{PROMPTS * N} samples x "
-        f"{PROMPT_LEN + RESPONSE_LEN} tokens, median of {args.repeats}\n"
-    )
-    print(
-        "| model | params | tokens/step | step s | tokens/s | raw fwd+bwd tokens/s | step / raw |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['tokens_per_step']} | "
-            f"{r['train_step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['raw_tokens_per_s']:.0f} | "
-            f"{r['ratio_vs_raw']:.2f}x |"
-        )
-    out = Path(args.out)
+        root = Path(tmp)
+        for name in shapes:
+            shape = SHAPES[name]
+            sections = {
+                label: trainer_sections(shape, common + sets, label, root / "runs", args.device)
+                for label, sets in variants
+            }  # every variant checked before the first model is written
+            path = shape.write(root / name)
+            vocab = AutoConfig.from_pretrained(path).vocab_size
+            store = RunStore(StorageConfig(root=str(root / "runs")), name)
+            dims = (shape.prompts, shape.n, shape.prompt_len, shape.response_len)
+            for k in range(1, args.repeats + 3):  # warm-up, repeats, one for --profile
+                store.write_rollouts(k, rollouts(k, vocab, *dims).to_json())
+            for label, sec in sections.items():
+                rows.append(bench_row(name, path, label, sec, args))
+    device = device_name(args.device)
+    peak = f"{args.peak_tflops:g} TFLOP/s (--peak-tflops)" if args.peak_tflops else "none given"
+    plain = "fp32 master + bf16 autocast, TF32" if args.device == "cuda" else "fp32, no autocast"
+    print(f"\ntrain step vs plain PyTorch ({plain}) on {device}, torch {torch.__version__}")
+    print(f"median of {args.repeats} after 1 warm-up; MFU = 6*N*tokens/s over peak {peak}")
+    for label, sets in variants:
+        print(f"  variant {label}: {' '.join(common + sets) or 'bench defaults'}")
+    print()
+    print_table(rows)
+    out = Path(args.out or Path(__file__).parent / "results" / f"train_{args.device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "device": args.device,
-                "backend": args.backend,
-                "dtype": args.dtype,
-                "threads": torch.get_num_threads(),
-                "rows": rows,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    record = {
+        "command": shlex.join(["python", "-m", "bench.train", *sys.argv[1:]]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": device,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peak_tflops": args.peak_tflops,
+        "mfu_flops_per_token": "6 * params (forward + backward)",
+        "plain_loop": plain,
+        "repeats": args.repeats,
+        "variants": {label: common + sets for label, sets in variants},
+        "rows": rows,
+    }
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

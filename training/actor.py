@@ -13,7 +13,6 @@ algorithms where torch has them. Same config + same world size → same bytes.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from typing import Any
@@ -29,6 +28,7 @@ from training.config import RunIdentity, TrainerSections
 from training.durable import DurableState
 from training.export import drop_tied
 from training.host_staging import HostStaging
+from training.mixed_precision import ComputeCopy
 from training.types import MISMATCH_METRICS as MISMATCH
 from training.types import RolloutMismatchError, mismatch_message
 
@@ -60,6 +60,8 @@ class TrainActor(DurableState):
         self.device = bt.pick_device(self.cfg.num_gpus_per_worker)
         self.model: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
+        # The bf16 twin forwards and backwards run on (train.compute_dtype, one rank).
+        self._compute: ComputeCopy | None = None
         self.optim: torch.optim.Optimizer | None = None
         self.base_model_path: str | None = None
         self.pad_id = 0
@@ -84,7 +86,6 @@ class TrainActor(DurableState):
             self.master_addr,
             self.master_port,
             self.device,
-            sharded=self._sharded(),
         )
 
     def ping(self) -> dict[str, Any]:
@@ -109,17 +110,14 @@ class TrainActor(DurableState):
 
     def init_from_base(self, model_path: str) -> int:
         """Build model (+ frozen reference when kl_coef > 0) and AdamW from ``model_path``."""
-        build = functools.partial(
-            bt.build_model,
-            model_path,
-            self.model_cfg.dtype,
-            self.device,
-            self.world_size,
-            self.sections.compute_dtype,
-        )
-        self.model = build()
+        dtype, compute, n = self.model_cfg.dtype, self.sections.compute_dtype, self.world_size
+        self.model = bt.build_model(model_path, dtype, self.device, n, compute)
+        if n == 1 and compute != dtype:  # fp32 master weights, bf16 forward and backward
+            self._compute = ComputeCopy(self.model, bt.DTYPES[compute])
         if self.cfg.loss.kl_coef > 0:
-            self.ref_model = build()  # scores in the compute dtype, as the policy does
+            # Frozen: no master needed; it scores in the compute dtype, as the policy does.
+            ref_dtype = compute if n == 1 else dtype
+            self.ref_model = bt.build_model(model_path, ref_dtype, self.device, n, compute)
             self.ref_model.requires_grad_(False).eval()
         self.optim = bt.adamw(self.model, self.cfg.lr, self.cfg.weight_decay, self.device)
         pad = getattr(self.model.config, "pad_token_id", None)
@@ -160,7 +158,7 @@ class TrainActor(DurableState):
         from engines.device_memory import actor_memory
 
         return actor_memory(self, self.device, "train").sleep(
-            [self.model, self.ref_model], self.optim
+            [self.model, self.ref_model, self._compute and self._compute.model], self.optim
         )
 
     def onload(self) -> dict[str, Any]:
@@ -168,7 +166,7 @@ class TrainActor(DurableState):
         from engines.device_memory import actor_memory
 
         return actor_memory(self, self.device, "train").wake(
-            [self.model, self.ref_model], self.optim
+            [self.model, self.ref_model, self._compute and self._compute.model], self.optim
         )
 
     def score(self, input_ids: list[list[int]], temperature: float = 1.0) -> torch.Tensor:
@@ -177,9 +175,10 @@ class TrainActor(DurableState):
         when sharded."""
         self._require_model()
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        self.model.eval()
+        policy = self._policy()
+        policy.eval()
         with torch.no_grad():
-            return bt.token_logprobs(self.model, ids, torch.ones_like(ids), temperature)[0].cpu()
+            return bt.token_logprobs(policy, ids, torch.ones_like(ids), temperature)[0].cpu()
 
     # -- training ----------------------------------------------------------
     def train_step(self, k: int) -> dict[str, float]:
@@ -312,7 +311,8 @@ class TrainActor(DurableState):
         """Forward/backward each micro-batch at the batch's sampling ``temperature``;
         returns summed metrics for the all-reduce."""
         lc = self.cfg.loss
-        self.model.train()
+        policy = self._policy()
+        policy.train()
         self.optim.zero_grad(set_to_none=True)
         # Gradients are averaged over the data-parallel ranks (FSDP does it for the
         # torch backend), so each rank divides by G / dp.
@@ -323,7 +323,7 @@ class TrainActor(DurableState):
         sums = torch.zeros(6 + len(MISMATCH), dtype=torch.float64, device=self.device)
         for i, mb in enumerate(mbs):
             mb = self._to_device(mb)
-            lp, ent = self._logprobs(self.model, mb, temperature, with_entropy=True)
+            lp, ent = self._logprobs(policy, mb, temperature, with_entropy=True)
             loss, m = policy_loss(
                 lc,
                 lp,
@@ -338,6 +338,8 @@ class TrainActor(DurableState):
                 rollout_logprobs=mb.rollout_logprobs,
             )
             loss.backward()
+            if self._compute is not None:
+                self._compute.collect_grads()
             n = mb.loss_mask.sum()
             means = [m["pg_loss"], m["clip_frac"], m.get("kl", 0.0), m.get("entropy", 0.0)]
             means += [m[key] for key in MISMATCH]
@@ -378,9 +380,13 @@ class TrainActor(DurableState):
         }
 
     # -- helpers -----------------------------------------------------------
-    def _sharded(self) -> bool:
-        """Whether this rank's model is FSDP2-wrapped (several ranks, or mixed precision)."""
-        return bt.needs_sharding(self.world_size, self.model_cfg.dtype, self.sections.compute_dtype)
+    def _policy(self) -> torch.nn.Module:
+        """The module forwards and backwards run on: the master weights' compute-dtype
+        copy, brought up to date, or the model itself."""
+        if self._compute is None:
+            return self.model
+        self._compute.refresh()
+        return self._compute.model
 
     def _to_device(self, mb: Any) -> Any:
         if self.device.type == "cpu":

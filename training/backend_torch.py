@@ -42,24 +42,17 @@ def pick_device(num_gpus_per_worker: float) -> torch.device:
 
 
 def init_distributed(
-    rank: int,
-    world_size: int,
-    master_addr: str,
-    master_port: int,
-    device: torch.device,
-    sharded: bool = False,
+    rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device
 ) -> None:
-    """Join the trainer process group (gloo on CPU, NCCL on GPU). One rank joins a
-    group of its own only when ``sharded`` (FSDP2 mixed precision needs a mesh)."""
-    if dist.is_initialized() or (world_size <= 1 and not sharded):
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if world_size <= 1:  # an in-process store: no port to find or hold
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    """Join the trainer process group (gloo on CPU, NCCL on GPU); no-op for one rank."""
+    if world_size <= 1 or dist.is_initialized():
         return
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
     dist.init_process_group(
-        backend=backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=10)
+        backend="nccl" if device.type == "cuda" else "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=10),
     )
 
 
@@ -98,21 +91,15 @@ def build_model(
     compute_dtype: str | None = None,
 ) -> nn.Module:
     """Load the HF causal LM at ``path`` with ``dtype`` weights; FSDP2-shard it when
-    ``world_size`` > 1 or when it computes in another dtype (``needs_sharding``)."""
+    ``world_size`` > 1, each layer gathered in ``compute_dtype`` (one rank computes in
+    it on a ``training.mixed_precision.ComputeCopy`` instead)."""
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=DTYPES[dtype], attn_implementation="sdpa"
     )
     model.to(device)
-    if needs_sharding(world_size, dtype, compute_dtype):
+    if world_size > 1:
         shard_model(model, device, world_size, compute_dtype)
     return model
-
-
-def needs_sharding(world_size: int, dtype: str, compute_dtype: str | None) -> bool:
-    """Whether the model is wrapped in FSDP2: several ranks, or one rank whose forward
-    and backward run in another dtype than its weights (FSDP2's mixed precision casts
-    each layer's weights once per use and reduces the gradients in fp32)."""
-    return world_size > 1 or (compute_dtype is not None and compute_dtype != dtype)
 
 
 def build_value_model(

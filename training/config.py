@@ -265,10 +265,10 @@ class TrainConfig(BaseModel):
     compute_dtype: Literal["float32", "bfloat16"] | None = Field(
         None,
         description="The dtype of the forward and backward passes; master weights and the "
-        "optimizer state stay in model.dtype. bfloat16 over float32 weights: FSDP2 mixed "
-        "precision (each step runs on the bf16 cast of the master weights, the same bf16 "
-        "weights an engine serving bf16 gets; logprobs and gradient reductions in fp32). "
-        "None: model.dtype",
+        "optimizer state stay in model.dtype. bfloat16 over float32 weights: one rank runs "
+        "on a bf16 copy of the master weights, cast once per step (the same bf16 weights an "
+        "engine serving bf16 gets), gradients added into the fp32 master; several ranks "
+        "use FSDP2 mixed precision (gradients reduced in fp32). None: model.dtype",
     )
     release_after_publish: bool = False
     mismatch: MismatchConfig = MismatchConfig()

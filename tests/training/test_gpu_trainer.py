@@ -75,6 +75,7 @@ def test_bf16_compute_scores_the_bf16_cast_of_the_master_weights(tmp_path):
         fp32_gap = (got - ref(fp32)).abs().max().item()
     assert bf16_gap <= 1e-2
     assert bf16_gap < fp32_gap / 4  # it is the bf16 weights it scores, not the fp32 ones
+    assert actor._compute is not None  # one rank: a bf16 copy, not FSDP2 or autocast
 
 
 def test_logprobs_never_hold_tokens_times_vocab(tmp_path):
