@@ -15,6 +15,13 @@ Contracts:
   and rollouts k in the run store; it never generates. Rewards that give a
   non-finite advantage are refused before any step (``types.UnusableRollout``;
   ``tasks.rollout_file`` names the file and how to regenerate it).
+- ``train_step`` scores a batch under ``log_softmax(logits / T)`` at the temperature
+  the batch records (``RolloutBatch.temperature``), the distribution the engines
+  sampled from, at the loss positions only (``logprobs.token_stats``: no
+  [tokens, vocabulary] tensor). ``train.compute_dtype`` runs forward and backward
+  in bf16 over fp32 master weights (``mixed_precision.ComputeCopy`` on one rank,
+  FSDP2's policy on several); ``train.mismatch`` gates ``rollout_logprob_kl``
+  (``types.RolloutMismatchError``).
 - Same config + same world size on CPU -> byte-identical weights.
 - Imports torch, transformers, ray and ``storage``; never Prefect.
 - ``push_weights`` (collective; rank 0 sends) hands the held state to one

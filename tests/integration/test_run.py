@@ -36,7 +36,9 @@ def plain_run(ray_cluster, tmp_path_factory):
     three tests below (every actor start is a process importing torch). They run in
     file order: the last one continues the run."""
     tmp = tmp_path_factory.mktemp("plain")
-    cfg = tiny_cfg(tmp, "plain", **{"engines.num_engines": 2})
+    # Below temperature 1, so the engines' logprobs and the trainer's agree only if
+    # both score the batch at the temperature it was sampled at.
+    cfg = tiny_cfg(tmp, "plain", **{"engines.num_engines": 2, "rollout.temperature": 0.7})
     ctx, rows, _ = run_plain(cfg, quiet=True, keep_actors=True)
     yield tmp, cfg, ctx, rows
     ctx.trainer().shutdown()
@@ -80,10 +82,14 @@ def test_plain_run_commits_versions_and_resumes(plain_run):
     assert [m["iteration"] for m in store.read_metrics()] == [1, 2]
     run_json = store.read_run_json()
     assert run_json["config"]["run"]["name"] == "plain"
-    # every sample of rollout k came from version k-1
+    # every sample of rollout k came from version k-1, at the configured temperature,
+    # and the trainer scored it there: the engines' logprobs are its own (fp32 both)
     for k in (1, 2):
         batch = store.read_rollouts(k)
         assert {s["weight_version"] for s in batch["samples"]} == {k - 1}
+        assert batch["temperature"] == 0.7
+    assert all(r["rollout_logprob_kl"] <= 1e-6 for r in rows)
+    assert [r["rollout_logprob_kl_over"] for r in rows] == [False, False]
     # a second run of a finished run does nothing (and ends the actors, as a run does)
     _, rows_again, _ = run_plain(cfg, quiet=True)
     assert rows_again == []

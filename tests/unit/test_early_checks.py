@@ -199,3 +199,33 @@ def test_a_maintenance_flow_opens_a_run_whose_dataset_moved(tmp_path):
     Path(data).unlink()
     ctx = open_run(RunRef(run_name=cfg.run.name, storage_root=cfg.storage.root))
     assert ctx.cfg.rollout.task == data
+
+
+def test_an_fp32_trainer_beside_sglang_in_bf16_is_named_at_start(tmp_path, caplog):
+    from tasks.prepare import warn_precision_gap
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    cfg = _cfg(tmp_path, **{"engines.kind": "sglang", "weights.transport": "disk"})
+    with caplog.at_level("WARNING", logger="prefect_rl.prepare"):
+        message = warn_precision_gap(cfg, str(model))
+    assert "train.compute_dtype: bfloat16" in message and "--dtype float32" in message
+    assert message in caplog.text
+    # The remedies each close the gap: bf16 compute, or SGLang serving fp32.
+    bf16 = _cfg(tmp_path, **{"engines.kind": "sglang", "train.compute_dtype": "bfloat16"})
+    assert warn_precision_gap(bf16, str(model)) is None
+    fp32_served = cfg.model_copy(
+        update={
+            "engines": cfg.engines.model_copy(
+                update={
+                    "sglang": cfg.engines.sglang.model_copy(
+                        update={"extra_args": ["--dtype", "float32"]}
+                    )
+                }
+            )
+        }
+    )
+    assert warn_precision_gap(fp32_served, str(model)) is None
+    # The embedded engine serves what the trainer holds.
+    assert warn_precision_gap(_cfg(tmp_path), str(model)) is None
