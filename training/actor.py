@@ -81,11 +81,7 @@ class TrainActor(DurableState):
         torch.set_num_threads(self.cfg.torch_threads)
         bt.set_determinism(self.device)
         bt.init_distributed(
-            self.rank,
-            self.world_size,
-            self.master_addr,
-            self.master_port,
-            self.device,
+            self.rank, self.world_size, self.master_addr, self.master_port, self.device
         )
 
     def ping(self) -> dict[str, Any]:

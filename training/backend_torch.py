@@ -60,8 +60,8 @@ def set_determinism(device: torch.device) -> None:
     """Deterministic kernels where torch has them. On a GPU, cuBLAS needs a fixed
     workspace for its GEMMs to be (it reads the variable when its handle is made, at
     the first GEMM of the process), and fp32 matmuls use TF32. What stays
-    nondeterministic on a GPU (atomics in some backward kernels, SDPA's memory-
-    efficient backward) warns once, not at every call: GPU runs are best-effort."""
+    nondeterministic on a GPU (atomics in some backward kernels) warns instead of
+    failing (Python shows each warning once): GPU runs are best-effort."""
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -212,14 +212,13 @@ def token_logprobs(
         # Row-major boolean indexing walks the padded targets in the packed order.
         select = torch.zeros_like(keep)
         select[keep] = wanted[real]
+        select = select.unsqueeze(0)  # [1, N-1]: the packed row's positions
         kwargs = {"input_ids": flat, "position_ids": pos_ids}
         targets = flat[:, 1:]
     else:
         select = wanted
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
         targets = input_ids[:, 1:]
-    if packed:
-        select = select.unsqueeze(0)
     stats = partial(
         _selected_stats,
         select=select,
