@@ -39,6 +39,8 @@ EVAL_INDEX_BASE = 1 << 41
 # eval.size at most: each evaluation generates (1 + n_samples) answers per prompt,
 # and a size of 1e12 would spend minutes building prompts before the first one.
 MAX_EVAL_SIZE = 100_000
+# eval.n_samples at most, for the same reason: each is a generation per prompt.
+MAX_EVAL_SAMPLES = 1024
 
 
 class EvalConfig(BaseModel):
@@ -58,7 +60,10 @@ class EvalConfig(BaseModel):
         32, ge=1, le=MAX_EVAL_SIZE, description="Prompts evaluated (a file: its first rows)"
     )
     n_samples: int = Field(
-        4, ge=1, description="Sampled answers per prompt: pass@k is reported for k = n_samples"
+        4,
+        ge=1,
+        le=MAX_EVAL_SAMPLES,
+        description="Sampled answers per prompt: pass@k is reported for k = n_samples",
     )
     before_training: bool = Field(
         True,

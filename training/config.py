@@ -381,6 +381,12 @@ class WeightsConfig(BaseModel):
         "~/.cache/prefect-rl/{run}/weights, the engines' default cache",
     )
 
+    @field_validator("delta", mode="before")
+    @classmethod
+    def _yaml_switch(cls, v: object) -> object:
+        # YAML 1.1 reads a bare on/off (as the README writes it) as true/false.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
 
 def check_precision(train: TrainConfig, model: ModelConfig) -> None:
     """``train.compute_dtype`` against ``model.dtype`` and the backend (ValueError)."""

@@ -84,3 +84,19 @@ def test_precision_settings_are_checked_at_load():
     with pytest.raises(ConfigError, match=r"on_exceed"):
         load_config(None, ["train.mismatch.on_exceed=stop"])
     assert load_config(None, ["train.mismatch.max_kl=null"]).train.mismatch.max_kl is None
+
+
+def test_on_off_settings_take_yaml_booleans_and_words(tmp_path):
+    # YAML 1.1 reads a bare on/off as true/false: the README's `delta: on` must load.
+    path = tmp_path / "delta.yaml"
+    path.write_text("weights:\n  delta: on\n")
+    assert load_config(str(path), {}).weights.delta == "on"
+    for raw, want in (("on", "on"), ("off", "off"), ("true", "on"), ("false", "off")):
+        assert load_config(None, [f"weights.delta={raw}"]).weights.delta == want
+    with pytest.raises(ConfigError, match=r"weights.delta"):
+        load_config(None, ["weights.delta=maybe"])
+
+
+def test_eval_sample_count_is_bounded_at_load():
+    with pytest.raises(ConfigError, match=r"eval.n_samples.*less than or equal to 1024"):
+        load_config(None, ["eval.n_samples=1000000000"])
