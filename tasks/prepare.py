@@ -221,9 +221,9 @@ def check_run(cfg: RunConfig, inputs: bool = True) -> str:
         check_chat_template(cfg, path)
         # An enabled tracker without its package, a folder it cannot write, a silent server.
         tracking_config.check(cfg)
+        warn_precision_gap(cfg, path)  # a run that trains, not a maintenance flow
     if cfg.ray.address is not None:
         check_address(cfg.ray.address)  # a dead cluster fails in seconds, before any lease
-    warn_precision_gap(cfg, path)
     return path
 
 
