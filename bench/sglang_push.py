@@ -6,7 +6,7 @@ SGLang's own classes: ``FlattenedTensorBucket`` of the named tensors, then
 ``{"flattened_tensor", "metadata"}``, posted to ``/update_weights_from_tensor``
 with ``load_format: flattened_bucket``. That baseline runs here as written, in
 a child process on SGLang's own environment (``--sglang SITE``), against the
-same server this process pushes to with ``engines.sglang.wire`` (no SGLang
+same server this process pushes to with ``wire.sglang_payload`` (no SGLang
 import). Both hold the same bf16 state on the GPU; the pushes alternate in
 rounds so drift hits both alike; a device copy of the same bytes is the floor.
 Neither side goes through Ray here: the trainer's push adds one actor call.
@@ -30,9 +30,9 @@ import torch
 from safetensors.torch import load_file
 
 from engines.config import EngineConfig, SGLangConfig
-from engines.flat_bucket import flatten
 from engines.sglang.engine import SGLangEngine
-from engines.sglang.wire import tensor_payload
+from wire.flat_bucket import flatten
+from wire.sglang_payload import tensor_payload
 
 ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph"]
 
@@ -69,7 +69,7 @@ print(json.dumps(times))
 
 
 def ours(engine: SGLangEngine, state: dict[str, torch.Tensor], repeats: int, first: int) -> list:
-    """This project's push of the whole state as one payload (``engines.sglang.wire``)."""
+    """This project's push of the whole state as one payload (``wire.sglang_payload``)."""
     times = []
     for i in range(repeats):
         t0 = time.perf_counter()

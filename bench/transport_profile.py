@@ -15,7 +15,7 @@ every phase is timed alone:
   per dtype.
 - ``socket`` (what the resident path does with an embedded engine): the same,
   but the update is one line on the consumer's Unix socket
-  (``engines.update_socket``) instead of a Ray call.
+  (``wire.update_socket``) instead of a Ray call.
 
 Each phase is the median over ``--repeats`` pushes after one warm-up push, beside
 a device copy (memcpy on CPU) of the same bytes measured in the same run.
@@ -54,7 +54,7 @@ class Consumer:
         self.cache = None
 
     def apply_streamed(self, handles: list) -> dict:
-        from engines import weight_receiver as wr
+        from wire import receiver as wr
 
         t0 = time.perf_counter()
         named = wr.named_tensors(wr.open_bucket(handles[0], self.dev))
@@ -67,7 +67,7 @@ class Consumer:
         return {"open": t1 - t0, "copy": t2 - t1}
 
     def start_socket(self) -> dict:
-        from engines.update_socket import UpdateSocket
+        from wire.update_socket import UpdateSocket
 
         def handler(channel: str, key: str, flush: bool, version: str | None) -> dict:
             part = {"metadata": None}
@@ -111,8 +111,8 @@ class Producer:
     def push_streamed(self, consumer, bucket_bytes: int) -> dict:
         import ray
 
-        from engines.flat_bucket import flatten, iter_buckets
         from training.weight_sender import ShmSegment, _ipc_handle
+        from wire.flat_bucket import flatten, iter_buckets
 
         ph = {"flatten": 0.0, "handle": 0.0, "call": 0.0, "open": 0.0, "copy": 0.0, "free": 0.0}
         nb = 0
@@ -150,8 +150,8 @@ class Producer:
     def push_resident(self, consumer, address: dict | None = None) -> dict:
         import ray
 
-        from engines.update_socket import UpdateClient
         from training.weight_staging import Layout, Staging
+        from wire.update_socket import UpdateClient
 
         ph = {}
         t0 = time.perf_counter()

@@ -12,34 +12,32 @@ Contracts:
 - A failed weight reload leaves the old weights and version serving; a
   directory with a ``manifest.json`` loads only if every file matches it, and
   an HTTP reload opens no file outside the allowed roots.
-- Request data is never unpickled except through ``safe_pickle``'s
+- Request data is never unpickled except through ``wire.safe_pickle``'s
   allow-list; tensor handles over HTTP need the admin token (runs push them
   over Ray); admin endpoints refuse cross-origin browser requests.
 - A bad request fails alone (400 / ValueError); a dead decode loop reports
   unhealthy, and ``EngineGroup`` restarts that engine.
 - Engines are detached Ray actors ``{run}/engine/{i}`` in their own
   placement groups ``{run}/engine-pg/{i}``, or, with ``placement.colocate``,
-  on their bundles of the run's shared ``{run}/colocate-pg`` (module
-  ``placement``); ``EngineGroup`` finds, restarts and shuts them down by
-  those names. ``release/resume_memory_occupation`` sleep and wake the
-  weights (``device_memory``), the same calls on CPU and GPU.
-- Imports torch, transformers and ray; never prefect. This ``__init__``
+  on their bundles of the run's shared ``{run}/colocate-pg``
+  (``actors.placement``); ``EngineGroup`` finds, restarts and shuts them down
+  by those names. ``release/resume_memory_occupation`` sleep and wake the
+  weights (``actors.device_memory``), the same calls on CPU and GPU.
+- Imports torch, transformers, ray, ``wire``, ``actors`` and ``storage``; never
+  prefect, never ``training``. This ``__init__``
   imports nothing, so ``engines.config`` stays light for config parsing.
 
-Layout: what every engine shares is here; each engine kind is one room.
+Layout: what every engine shares is here; each engine kind is one room. The
+weight wire (``wire``) and the actor plumbing (``actors``) sit below, shared
+with ``training``, which this package never imports.
 
-- The group and the protocol: ``group`` (EngineGroup; ``actor_history`` tells a
-  first start from a restart), ``dispatch`` (which engine decodes which rows),
-  ``placement``, ``actor_options`` (the actor shape
-  both kinds take), ``client`` (the SGLang HTTP client that reload, verify and
-  multi-turn rollout use for either kind), ``types`` (wire shapes, request
-  limits), ``config`` (EngineConfig, SGLangConfig), ``deadline``, ``node_pull``,
-  ``security`` (token, browser and path rules), ``device_memory`` (sleep/wake).
-- The weight wire between trainer and engines: ``flat_bucket`` (SGLang's
-  flattened_bucket layout), ``flat_binding``, ``weight_receiver`` (CUDA IPC /
-  shared-memory handles, gloo/NCCL broadcast groups), ``safe_pickle`` (the
-  allow-list unpickler), ``update_socket``, ``weights`` (all-or-nothing checks).
+- The group and the protocol: ``group`` (EngineGroup), ``dispatch`` (which
+  engine decodes which rows), ``client`` (the SGLang HTTP client that reload,
+  verify and multi-turn rollout use for either kind), ``types`` (wire shapes,
+  request limits), ``config`` (EngineConfig, SGLangConfig), ``node_pull``,
+  ``security`` (token, browser and path rules), ``weights`` (all-or-nothing
+  checks of a state dict against a model).
 - ``embedded/``: the embedded torch engine (its own ``__init__`` lists its parts).
-- ``sglang/``: a real SGLang server per engine (process, actor, wire formats, the
-  checks the actor makes before its server loads a folder).
+- ``sglang/``: a real SGLang server per engine (process, actor, the checks the
+  actor makes before its server loads a folder).
 """

@@ -256,7 +256,7 @@ class EngineClient:
         flush_cache: bool = True,
         load_format: str = "flattened_bucket",
     ) -> dict:
-        """Buckets as base64 handles (``engines.weight_receiver.encode_handle``)."""
+        """Buckets as base64 handles (``wire.receiver.encode_handle``)."""
         body: dict[str, Any] = {
             "serialized_named_tensors": serialized_named_tensors,
             "load_format": load_format,

@@ -6,25 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-# Ray's own resource names: pinning to one of them would pin nothing.
-RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-# Ray reserves names starting with this (node:__internal_head__ marks the head):
-# a cluster refuses them as custom resources, in its own words, after the run began.
-RAY_RESERVED_PREFIX = "node:__"
-
-
-def check_node_resource(key: str, value: str | None) -> str | None:
-    """A custom Ray resource name for ``key`` (``engines.node_resource``, ...), or None."""
-    if value is not None and (
-        not value.strip() or value in RAY_RESOURCES or value.startswith(RAY_RESERVED_PREFIX)
-    ):
-        raise ValueError(
-            f"{key} {value!r} is not a custom resource (Ray's own: {', '.join(RAY_RESOURCES)} "
-            f"and names starting with {RAY_RESERVED_PREFIX}): give the name your nodes offer "
-            "with ray start --resources='{\"engine_host\": 1}' (e.g. engine_host), or leave it "
-            "unset"
-        )
-    return value
+from actors.resources import check_node_resource
 
 
 class SGLangConfig(BaseModel):
@@ -65,8 +47,14 @@ class SGLangConfig(BaseModel):
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["embedded", "sglang"] = "embedded"
-    num_engines: int = Field(1, ge=1)
+    kind: Literal["embedded", "sglang"] = Field(
+        "embedded",
+        description="embedded: a torch engine inside the Ray actor (CPU runs, tests); sglang: the "
+        "actor runs a real SGLang server (GPU)",
+    )
+    num_engines: int = Field(
+        1, ge=1, description="Engines, each a Ray actor (per rank) on its own placement bundle"
+    )
     tp_size: int = Field(
         1,
         ge=1,
@@ -74,7 +62,9 @@ class EngineConfig(BaseModel):
         "SGLang's --tp-size",
     )
     num_cpus_per_engine: float = Field(1.0, gt=0, description="Ray CPUs reserved per engine")
-    num_gpus_per_engine: float = Field(0.0, ge=0)
+    num_gpus_per_engine: float = Field(
+        0.0, ge=0, description="Ray GPUs reserved per engine rank (fractional: shares a GPU)"
+    )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads inside an engine")
     max_batch_size: int = Field(256, ge=1, description="Sequences decoded together")
     local_cache_dir: str | None = Field(
@@ -89,8 +79,17 @@ class EngineConfig(BaseModel):
         "--resources='{\"engine_host\": 1}'); each engine bundle asks for 0.001 of it. "
         "None: any node",
     )
-    pause_mode: Literal["abort", "in_place", "retract"] = "in_place"
-    health_timeout_s: float = Field(30.0, gt=0)
+    pause_mode: Literal["abort", "in_place", "retract"] = Field(
+        "in_place",
+        description="How a weight update pauses generation: abort ends running requests; "
+        "in_place parks them; retract drops their KV cache and re-prefills them on continue",
+    )
+    health_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Deadline of an engine's health check, of its placement and of each "
+        "call that starts it",
+    )
     request_timeout_s: float = Field(
         3600.0,
         gt=0,

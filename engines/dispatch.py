@@ -16,7 +16,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
-from engines import deadline
+from actors import deadline
 from engines.types import EngineDeadError, GenerateResult
 
 RestartFn = Callable[[int], None]

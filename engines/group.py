@@ -6,11 +6,11 @@ Owns the driver-side view of a run's engines. It holds only names and config
 - engine ``i`` is the actor ``{run_name}/engine/{i}`` in ``namespace``, placed
   on bundle 0 of its own placement group ``{run_name}/engine-pg/{i}`` (one
   bundle per rank) or, colocated, on its bundles of the run's shared group
-  (``engines.placement``), which a restart leaves in place;
+  (``actors.placement``), which a restart leaves in place;
 - a dead engine is replaced by ``restart``: kill, recreate in the same
   placement group (so on the node its weights were pulled to, ``pull``),
   and load the version it is told to serve; ``engines.node_resource`` pins the
-  groups to the engine hosts (``engines.placement``).
+  groups to the engine hosts (``actors.placement``).
 
 Rollout dispatch (``generate_groups``, ``generate_rows``) is ``engines.dispatch``.
 
@@ -18,7 +18,7 @@ It never decides which version should be served: the caller (reload, verify)
 does; a restart defaults to the version a live peer reports.
 
 Every wait on an engine ends by ``call_timeout_s`` (the step's deadline): a
-stuck engine fails the call with a ``CallTimeout`` naming it (``engines.deadline``).
+stuck engine fails the call with a ``CallTimeout`` naming it (``actors.deadline``).
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engines import deadline
-from engines.actor_history import ran_before
+from actors import deadline
+from actors.history import ran_before
+from actors.placement import SharedPlacement, pinned, unplaceable
 from engines.client import EngineClient
 from engines.config import EngineConfig
 from engines.dispatch import RolloutDispatch
 from engines.node_pull import pull_on_node
-from engines.placement import SharedPlacement, pinned, unplaceable
 from storage.config import StorageConfig
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class EngineGroup(RolloutDispatch):
 
     def ran_before(self, i: int) -> bool:
         """Whether engine i exists (hung) or ran and died in this cluster: starting it
-        now is a restart, not its first start (``engines.actor_history``)."""
+        now is a restart, not its first start (``actors.history``)."""
         return ran_before([self.actor_name(i)])
 
     def restart(self, i: int, model_path: str, weight_version: int) -> ActorHandle:

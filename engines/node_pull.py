@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from engines import deadline
+from actors import deadline
 from storage.config import StorageConfig
 from storage.run_store import RunStore
 

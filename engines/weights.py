@@ -2,8 +2,8 @@
 
 Owns the all-or-nothing rule of a weight reload: every tensor is read and
 checked (names, shapes) before the first parameter is touched, so a broken
-or mismatched directory leaves the old weights serving; and the errors a
-reload can end with. Reading the directory (confined, verified against its
+or mismatched directory leaves the old weights serving. The errors a reload
+ends with are ``wire.errors``. Reading the directory (confined, verified against its
 manifest) is ``engines.embedded.weight_files``. Never builds a model and never changes
 its architecture.
 """
@@ -14,21 +14,10 @@ import json
 
 import torch
 
+from wire.errors import WeightLoadError, WeightPathError
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-
-
-class WeightLoadError(ValueError):
-    """The directory cannot be loaded into this model; the model is untouched."""
-
-
-class WeightIntegrityError(WeightLoadError):
-    """A file differs from the directory's manifest.json (size or sha256)."""
-
-
-class WeightPathError(WeightLoadError, PermissionError):
-    """A file the reload would open lies outside the allowed roots (HTTP: 403; a
-    PermissionError too, so the HTTP layer catches it without importing torch)."""
 
 
 def shard_names(index_json: bytes, where: str) -> list[str]:

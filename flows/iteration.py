@@ -119,7 +119,7 @@ def _with_policy(ctx: RunContext, t, audit: bool):
         retry_delay_seconds=policy.retry_delay_s,
         # No timeout_seconds: Prefect cannot interrupt a thread blocked on an actor.
         # tasks.timeout_s is the deadline of every wait inside the step instead
-        # (``engines.deadline``), which fails the task so that Prefect retries it.
+        # (``actors.deadline``), which fails the task so that Prefect retries it.
         # An audit (verify) looks at the engines now: its result is never reused.
         persist_result=not audit,
         result_storage=None if audit else result_storage(ctx),

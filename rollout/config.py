@@ -67,9 +67,11 @@ class RolloutConfig(BaseModel):
     )
     batch_size: int = Field(16, ge=1, description="Prompts per iteration")
     n_samples_per_prompt: int = Field(8, ge=1, description="Group size for GRPO")
-    max_new_tokens: int = Field(8, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(8, ge=1, description="Tokens generated per sample at most")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature; the trainer scores the batch at it too"
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: 1 keeps every token")
     max_staleness: int = Field(
         0,
         ge=0,

@@ -11,11 +11,17 @@ class S3Options(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    endpoint_url: str | None = None  # e.g. http://127.0.0.1:5000 for a moto server
-    region: str | None = None
-    anon: bool = False
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint, e.g. http://127.0.0.1:5000 for a moto server; None: AWS"
+    )
+    region: str | None = Field(None, description="S3 region; None: botocore's default")
+    anon: bool = Field(False, description="Unsigned requests (a public bucket): no credentials")
     # Added: botocore attempts per request (standard retry mode); None keeps botocore's default.
-    max_attempts: int | None = Field(None, ge=1)
+    max_attempts: int | None = Field(
+        None,
+        ge=1,
+        description="botocore attempts per request (standard retry mode); None: botocore's default",
+    )
     # Per request: an endpoint that accepts and never answers ends the request
     # here (botocore's default is 60 s each, times every attempt), so a step
     # stuck on storage fails and Prefect retries it.

@@ -28,7 +28,7 @@ import uuid
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from engines.placement import describe_node, unplaceable
+from actors.placement import describe_node, unplaceable
 from tasks.config import ConfigError, RunConfig
 
 log = logging.getLogger("prefect_rl.cluster")

@@ -1,7 +1,7 @@
 """Colocated placement: which side holds the shared devices during each step.
 
 With ``placement.colocate`` train ranks and engine ranks share devices (one
-bundle each of ``{run}/colocate-pg``, see ``engines.placement``) and take
+bundle each of ``{run}/colocate-pg``, see ``actors.placement``) and take
 turns on them. A step that works on a device first puts the actors in the
 state it needs; it never relies on the state an earlier step left, so a
 retried or rerun step, a restarted engine and a re-created train rank (both

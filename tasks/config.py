@@ -28,7 +28,11 @@ class RunSection(BaseModel):
 
     name: str = Field("tiny-cpu", description="Run name: the folder under storage.root")
     iterations: int = Field(20, ge=0, description="Total RL iterations of the run")
-    seed: int = Field(0, ge=0)
+    seed: int = Field(
+        0,
+        ge=0,
+        description="Seed of the prompts, of every sample's sampling seed and of the trainer",
+    )
     save_interval: int = Field(
         5, ge=1, description="Checkpoint every N iterations (and at the end)"
     )
@@ -53,15 +57,25 @@ class RaySection(BaseModel):
 
     address: str | None = Field(None, description="Ray cluster address; None starts a local one")
     num_cpus: int | None = Field(None, ge=1, description="CPUs of the local cluster (logical)")
-    namespace: str = "prefect-rl"
+    namespace: str = Field(
+        "prefect-rl", description="Ray namespace of the run's named actors and placement groups"
+    )
 
 
 class TaskPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    retries: int = Field(2, ge=0)
-    retry_delay_s: list[float] = Field(default_factory=lambda: [1.0, 2.0, 5.0])
-    timeout_s: float = Field(1800.0, gt=0)
+    retries: int = Field(2, ge=0, description="Prefect retries of every step's task run")
+    retry_delay_s: list[float] = Field(
+        default_factory=lambda: [1.0, 2.0, 5.0],
+        description="Seconds before each retry of a step (the last repeats for more retries)",
+    )
+    timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="A step waiting on an engine or a train rank longer than this fails, "
+        "naming what it waited on, and is retried",
+    )
 
 
 # save_background: inside the background checkpoint write (exception: the write fails;
@@ -84,9 +98,15 @@ class FaultSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    step: FaultStep
-    iteration: int = Field(..., ge=1)
-    kind: Literal["exception", "kill_actor", "sigkill"] = "exception"
+    step: FaultStep = Field(
+        ..., description="The step (or the background checkpoint write) that fails"
+    )
+    iteration: int = Field(..., ge=1, description="The iteration whose step fails")
+    kind: Literal["exception", "kill_actor", "sigkill"] = Field(
+        "exception",
+        description="exception: the step raises; kill_actor: a Ray actor it drives is killed; "
+        "sigkill: the flow process is killed",
+    )
     times: int = Field(1, ge=1, description="How many attempts fail before it heals")
 
 

@@ -51,11 +51,11 @@ class RunContext:
             report["critic"] = critic.gc(keep_last).model_dump()
         return report
 
-    def placement(self):  # -> engines.placement.SharedPlacement | None
+    def placement(self):  # -> actors.placement.SharedPlacement | None
         """The shared placement group of a colocated run; None when disaggregated."""
         if not self.cfg.placement.colocate:
             return None
-        from engines.placement import SharedPlacement, colocated_bundles
+        from actors.placement import SharedPlacement, colocated_bundles
 
         e, t = self.cfg.engines, self.cfg.train
         bundles = colocated_bundles(
@@ -76,7 +76,7 @@ class RunContext:
             self.cfg.engines,
             namespace=self.cfg.ray.namespace,
             placement=self.placement(),
-            # The step's deadline: every wait on an engine ends by it (engines.deadline).
+            # The step's deadline: every wait on an engine ends by it (actors.deadline).
             call_timeout_s=self.cfg.tasks.timeout_s,
         )
 

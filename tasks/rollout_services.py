@@ -8,7 +8,7 @@
   (``rollout.reward_workers``), spread over the cluster's nodes, each task
   scoring its share with ``rollout.rewards.score`` (a slow verifier, or posts
   to a reward server), all waited for by the step's deadline
-  (``engines.deadline``);
+  (``actors.deadline``);
 - the failure log of rollout k, persisted in the ledger as ``rollout-failures``
   each time it changes, and read back by a retried rollout step.
 
@@ -29,7 +29,7 @@ import httpx
 import ray
 from ray.exceptions import RayActorError
 
-from engines import deadline
+from actors import deadline
 from engines.client import EngineClient, EngineHTTPError
 from rollout import rewards
 from rollout.config import RolloutConfig

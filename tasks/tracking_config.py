@@ -27,7 +27,7 @@ MLFLOW_PROBE_TIMEOUT_S = 3.0
 class TensorBoardConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="Write TensorBoard event files")
     log_dir: str | None = Field(
         None, description="Event file folder; None: {storage.root}/{run.name}/tensorboard"
     )
@@ -36,7 +36,7 @@ class TensorBoardConfig(BaseModel):
 class MlflowConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="Log to MLflow")
     tracking_uri: str | None = Field(
         None,
         description="http://host:port of a tracking server, or sqlite:///path.db; "
@@ -60,8 +60,8 @@ class MlflowConfig(BaseModel):
 class WandbConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = False
-    project: str = "prefect-rl"
+    enabled: bool = Field(False, description="Write an offline Weights & Biases run")
+    project: str = Field("prefect-rl", description="W&B project the run is logged in")
     dir: str | None = Field(
         None,
         description="Offline run folder (upload later with `wandb sync`); "

@@ -6,7 +6,7 @@ Contracts:
   pickles into any task. Actors are ``{run}/train/{rank}`` (detached, in
   ``identity.namespace``) on one placement group ``{run}/train-pg``, or
   colocated on bundle ``rank`` of
-  the run's shared ``{run}/colocate-pg`` (``engines.placement``), where
+  the run's shared ``{run}/colocate-pg`` (``actors.placement``), where
   ``offload``/``onload`` take turns with the engines. ``ensure_state(k)`` is the recovery
   primitive: restore the newest verifying checkpoint <= k, replay persisted
   rollouts; a no-op when the ranks already hold k. Its result's ``warnings``
@@ -23,7 +23,8 @@ Contracts:
   FSDP2's policy on several); ``train.mismatch`` gates ``rollout_logprob_kl``
   (``types.RolloutMismatchError``).
 - Same config + same world size on CPU -> byte-identical weights.
-- Imports torch, transformers, ray and ``storage``; never Prefect.
+- Imports torch, transformers, ray, ``wire``, ``actors``, ``rollout`` and ``storage``;
+  never Prefect, never ``engines`` (what both sides share is in ``wire`` and ``actors``).
 - ``push_weights`` (collective; rank 0 sends) hands the held state to one
   engine over ``weights.transport`` tensor/distributed (``weight_sender``).
 - Losses/advantages are pure tensor functions (``losses.py``, ``advantages.py``),

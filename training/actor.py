@@ -148,10 +148,10 @@ class TrainActor(DurableState):
 
     def offload(self) -> dict[str, Any]:
         """Sleep: free the device memory of the weights, optimizer state and reference
-        model for colocated engines (``engines.device_memory``: torch_memory_saver
+        model for colocated engines (``actors.device_memory``: torch_memory_saver
         where installed, else moved to host memory; on CPU only the state changes).
         Idempotent; returns the memory report (``state``, ``mode``, bytes on device)."""
-        from engines.device_memory import actor_memory
+        from actors.device_memory import actor_memory
 
         return actor_memory(self, self.device, "train").sleep(
             [self.model, self.ref_model, self._compute and self._compute.model], self.optim
@@ -159,7 +159,7 @@ class TrainActor(DurableState):
 
     def onload(self) -> dict[str, Any]:
         """Wake: undo ``offload``, contents unchanged; a rank that never slept is awake."""
-        from engines.device_memory import actor_memory
+        from actors.device_memory import actor_memory
 
         return actor_memory(self, self.device, "train").wake(
             [self.model, self.ref_model, self._compute and self._compute.model], self.optim

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.placement import SharedPlacement
+from actors.placement import SharedPlacement
 from training.config import RunIdentity, TrainerSections
 from training.critic import CriticGroup
 from training.group import TrainGroup

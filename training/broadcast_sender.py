@@ -15,9 +15,9 @@ from typing import Any
 import ray
 import torch
 
-from engines import weight_receiver as wr
-from engines.flat_bucket import flatten, iter_buckets
-from engines.sglang import wire
+from wire import receiver as wr
+from wire import sglang_payload
+from wire.flat_bucket import flatten, iter_buckets
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -77,8 +77,8 @@ class BroadcastSender:
         sglang = self.wires.get(group_name) == "sglang"
         for bucket, last in _with_last(iter_buckets(named, bucket_bytes)):
             flats = flatten(bucket)
-            if sglang:  # one flat uint8 broadcast, in SGLang's order (engines.sglang.wire)
-                flats = wire.ordered(flats)
+            if sglang:  # one flat uint8 broadcast, in SGLang's order (wire.sglang_payload)
+                flats = sglang_payload.ordered(flats)
             metas = [m for b in flats for m in b.metadata]
             reply_ref = engine.update_weights_from_distributed.remote(
                 [m.name for m in metas],
@@ -88,7 +88,9 @@ class BroadcastSender:
                 flush_cache=flush_cache and last,
                 weight_version=str(version) if last else None,
             )
-            for flat in [wire.broadcast_flat(flats)] if sglang else [b.flat for b in flats]:
+            for flat in (
+                [sglang_payload.broadcast_flat(flats)] if sglang else [b.flat for b in flats]
+            ):
                 wr.broadcast(pg, flat.contiguous())
             _check(ray.get(reply_ref), f"bucket {nbuckets} of v{version}")
             nbytes += sum(b.flat.numel() * b.flat.element_size() for b in flats)

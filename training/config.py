@@ -12,7 +12,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engines.config import check_node_resource
+from actors.resources import check_node_resource
 from rollout.config import RolloutConfig
 from storage.config import StorageConfig
 
@@ -110,7 +110,9 @@ class LossConfig(BaseModel):
         False, description="DAPO overlong filtering: truncated samples get no loss"
     )
     kl_coef: float = Field(0.0, ge=0, description="k3 KL to the frozen reference; 0 disables it")
-    entropy_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus: the loss minus this times the token entropy"
+    )
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
 
     @model_validator(mode="after")
@@ -176,8 +178,8 @@ class MegatronConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tensor_parallel: int = Field(1, ge=1)
-    pipeline_parallel: int = Field(1, ge=1)
+    tensor_parallel: int = Field(1, ge=1, description="Megatron tensor-parallel size")
+    pipeline_parallel: int = Field(1, ge=1, description="Megatron pipeline-parallel size")
 
 
 class CriticConfig(BaseModel):
@@ -233,22 +235,28 @@ class MismatchConfig(BaseModel):
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: Literal["torch", "megatron"] = Field(
+        "torch",
+        description="torch: FSDP2 when num_workers > 1; megatron: megatron-core (GPU, the "
+        "megatron extra)",
+    )
     num_workers: int = Field(
         1, ge=1, description="Train actors (ranks); FSDP2 over gloo/NCCL when > 1"
     )
-    num_cpus_per_worker: float = Field(1.0, gt=0)
-    num_gpus_per_worker: float = Field(0.0, ge=0)
+    num_cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs reserved per train rank")
+    num_gpus_per_worker: float = Field(
+        0.0, ge=0, description="Ray GPUs reserved per train rank (fractional: shares a GPU)"
+    )
     node_resource: str | None = Field(
         None,
         description="Pin train ranks to the nodes offering this custom Ray resource (ray "
         "start --resources='{\"train_host\": 1}'); each rank's bundle asks for 0.001 of it. "
         "None: any node",
     )
-    torch_threads: int = Field(1, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads of each train rank")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the gradient norm to this")
     micro_batch_size: int = Field(64, ge=1, description="Max samples per micro-batch")
     max_tokens_per_micro_batch: int | None = Field(
         None,
@@ -270,7 +278,11 @@ class TrainConfig(BaseModel):
         "engine serving bf16 gets), gradients added into the fp32 master; several ranks "
         "use FSDP2 mixed precision (gradients reduced in fp32). None: model.dtype",
     )
-    release_after_publish: bool = False
+    release_after_publish: bool = Field(
+        False,
+        description="After each publish, end the train ranks and free their devices; every "
+        "iteration is checkpointed (written before its step ends) and the ranks restored from it",
+    )
     mismatch: MismatchConfig = MismatchConfig()
     loss: LossConfig = LossConfig()
     critic: CriticConfig = CriticConfig()
@@ -326,7 +338,10 @@ class ModelConfig(BaseModel):
     path: str | None = Field(
         None, description="Local HF checkpoint directory; None builds the tiny model offline"
     )
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="dtype of the master weights and the AdamW state (and of published versions)",
+    )
     warm_start: Literal["none", "calculator"] = Field(
         "none",
         description="The tiny model only (path unset): calculator: a few hundred supervised "
@@ -361,7 +376,12 @@ class WeightsConfig(BaseModel):
     shard_size: int = Field(
         512 * 1024 * 1024, ge=1024, description="Max bytes per safetensors shard"
     )
-    publish_interval: int = Field(1, ge=1)
+    publish_interval: int = Field(
+        1,
+        ge=1,
+        description="Publish a durable version every N iterations (and the last); disk "
+        "transports reload from it, in-memory ones push every version regardless",
+    )
     flush_cache_interval: int = Field(1, ge=1, description="Flush engine caches every N versions")
     delta: Literal["off", "on"] = Field(
         "off",

@@ -2,7 +2,7 @@
 
 Owns the Ray side of training: one detached placement group
 ``{run}/train-pg`` (one bundle per rank, PACK) or, colocated, bundle ``rank``
-of the run's shared group (``engines.placement``, never removed here), detached
+of the run's shared group (``actors.placement``, never removed here), detached
 named actors ``{run}/train/{rank}`` in the run's Ray namespace, and
 ``ensure_state(k)``, the recovery primitive. Holds only names and config, so
 it pickles into any task; handles are looked up by name on every call. Never
@@ -23,9 +23,9 @@ from ray._raylet import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engines import deadline
-from engines.actor_history import ran_before
-from engines.placement import SharedPlacement, pinned, unplaceable
+from actors import deadline
+from actors.history import ran_before
+from actors.placement import SharedPlacement, pinned, unplaceable
 from training.actor import TrainActor
 from training.config import RunIdentity, TrainerSections
 

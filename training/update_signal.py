@@ -3,7 +3,7 @@
 Owns ``EngineSignals``, the producer's per-engine choice. A handle that only
 names a staging buffer the engine already holds open (``full=False``) is a few
 bytes, and the engine's answer is one device copy: it goes as one line on the
-engine's Unix socket (``engines.update_socket``), which costs tens of
+engine's Unix socket (``wire.update_socket``), which costs tens of
 microseconds where a Ray actor call costs a millisecond or more. Everything
 else (a handle in full, one handle per rank of a multi-rank engine, an engine
 without a socket such as an SGLang server) is an ``update_weights_from_tensor``
@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from engines.update_socket import UpdateClient
+from wire.update_socket import UpdateClient
 
 log = logging.getLogger(__name__)
 

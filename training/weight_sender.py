@@ -7,13 +7,13 @@ Owns handing the full state to one engine actor:
   shared-memory segment on CPU) and refilled at each update; one signal per
   update, which the engine answers from its cache of opened handles
   (``engines.embedded.weight_cache``). The signal is a line on the engine's Unix socket
-  (``engines.update_socket``) when a single-rank engine offers one, else a Ray
+  (``wire.update_socket``) when a single-rank engine offers one, else a Ray
   call; the first update to an engine goes over Ray in full. The layout is
   learnt from the first push, which streams. An engine that does not hold the
   key (restarted) answers ``cache_miss`` and gets the handle again in full.
 - ``tensor``, streamed (colocated ranks, which sleep between pushes and so
   keep no second copy of the model): buckets of at most ``bucket_bytes``,
-  flattened per dtype (``engines.flat_bucket``), one handle and one call per
+  flattened per dtype (``wire.flat_bucket``), one handle and one call per
   bucket; the producer frees each bucket after the engine's reply.
   An engine spanning several ranks gets one handle per rank (rank j loads
   handle j): train rank ``j % world`` makes engine rank j's handle on its own
@@ -39,10 +39,10 @@ import ray
 import torch
 import torch.distributed as dist
 
-from engines.flat_bucket import FlatBucket, flatten, iter_buckets
 from training.broadcast_sender import BroadcastSender
 from training.update_signal import EngineSignals
 from training.weight_staging import Layout, Staging, has_room, segment_path
+from wire.flat_bucket import FlatBucket, flatten, iter_buckets
 
 ALIGN = 64
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def _sglang_payload(flats: list[FlatBucket], on_gpu: bool) -> str:
             "trainer's weights are on the CPU: train on the GPU (train.num_gpus_per_worker > 0) "
             "or use weights.transport: disk"
         )
-    from engines.sglang.wire import tensor_payload
+    from wire.sglang_payload import tensor_payload
 
     return tensor_payload(flats)
 
@@ -177,7 +177,7 @@ class TensorPusher:
 
     def engine_profile(self, engine: Any) -> tuple[int, str]:
         """How many ranks (tensor-parallel size) the engine actor spans, and the payload
-        format it reads ("embedded", or "sglang": ``engines.sglang.wire``); asked once."""
+        format it reads ("embedded", or "sglang": ``wire.sglang_payload``); asked once."""
         key = engine_key(engine)
         if key not in self._ranks:
             info = ray.get(engine.model_info.remote())
@@ -298,7 +298,7 @@ def send_streamed(
     """Hand every bucket to ``engine`` (same host), one call per bucket. Collective over
     the train ranks (each iterates the same full tensors); rank 0 returns bytes and
     bucket count. ``wire: sglang``: each handle is SGLang's own payload
-    (``engines.sglang.wire``), CUDA only."""
+    (``wire.sglang_payload``), CUDA only."""
     nbytes = nbuckets = 0
     for bucket, last in _with_last(iter_buckets(named, bucket_bytes)):
         flats = flatten(bucket)
@@ -358,7 +358,7 @@ def push_from_rank(
     """A train rank's part of ``TrainActor.push_weights``: the state it holds
     (``actor._push_tensors()``) to ``engine`` as version ``actor.iteration()``.
     Collective; rank 0 returns the summary."""
-    from engines.device_memory import has_slept
+    from actors.device_memory import has_slept
 
     version = actor.iteration()
     named = actor._push_tensors()

@@ -10,7 +10,7 @@ engine keeps them open (``engines.embedded.weight_cache``): an update is then on
 one Ray call and one copy on the engine, whatever the number of tensors.
 
 Memory: a single train rank binds its weights into the staging buffer
-(``bind``: its parameters become views of it, ``engines.flat_binding``), so the
+(``bind``: its parameters become views of it, ``wire.flat_binding``), so the
 buffer costs nothing extra and an update needs no fill at all. Sharded or
 converted weights (FSDP, megatron) are copied in at each update (``fill``), and
 the buffer is then a second copy of the model for as long as the trainer keeps
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from engines.flat_binding import Binding, binding, is_bound, rebind, resolve
-from engines.flat_bucket import TensorMeta, dtype_name
-from engines.weight_receiver import SHM_PREFIX
+from wire.flat_binding import Binding, binding, is_bound, rebind, resolve
+from wire.flat_bucket import TensorMeta, dtype_name
+from wire.receiver import SHM_PREFIX
 
 ALIGN = 64
 PENDING_BYTES = 256 << 20  # tensors held before one fused copy (gathered ones are fresh memory)

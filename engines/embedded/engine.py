@@ -53,7 +53,7 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
-from engines.actor_options import CONTROL_CONCURRENCY, CONTROL_GROUP, GENERATE_CONCURRENCY
+from actors.options import CONTROL_CONCURRENCY, CONTROL_GROUP, GENERATE_CONCURRENCY
 from engines.config import EngineConfig
 from engines.embedded import tensor_parallel as tpar
 from engines.embedded.batching import Batcher, EngineDeadError
@@ -63,7 +63,8 @@ from engines.embedded.memory_updates import InMemoryUpdates
 from engines.embedded.sampling import make_generator
 from engines.embedded.weight_files import read_state_dict
 from engines.types import GenerateResult, RequestLimits, SamplingParams, UpdateWeightsResult
-from engines.weights import WeightLoadError, WeightPathError, check_state_dict, load_into
+from engines.weights import check_state_dict, load_into
+from wire.errors import WeightLoadError, WeightPathError
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ __all__ = ["EmbeddedEngine", "EngineDeadError", "actor_class"]
 
 @functools.cache
 def actor_class() -> Any:
-    """EmbeddedEngine as a Ray actor class (``engines.actor_options``). Built once: Ray
+    """EmbeddedEngine as a Ray actor class (``actors.options``). Built once: Ray
     exports each class object once, at ~30 ms of CPU (it disassembles the class)."""
     return ray.remote(
         max_concurrency=GENERATE_CONCURRENCY,
@@ -314,7 +315,7 @@ class EmbeddedEngine(Batcher, InMemoryUpdates):
 
     @_control
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
-        """Free the weights' device memory for a colocated trainer (``engines.device_memory``:
+        """Free the weights' device memory for a colocated trainer (``actors.device_memory``:
         torch_memory_saver where installed, else moved to host memory; on CPU only
         the state changes, so colocated runs make the same calls everywhere).
 
@@ -323,7 +324,7 @@ class EmbeddedEngine(Batcher, InMemoryUpdates):
         the weights (the colocated steps wake engines before they generate).
         Idempotent; the reply adds the memory report (``state``, ``mode`` ...).
         """
-        from engines.device_memory import actor_memory
+        from actors.device_memory import actor_memory
 
         with self._step_lock:
             report = actor_memory(self, self._device, "weights").sleep([self._model])
@@ -335,7 +336,7 @@ class EmbeddedEngine(Batcher, InMemoryUpdates):
     @_control
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         """Undo ``release_memory_occupation``: the weights are back, unchanged. Idempotent."""
-        from engines.device_memory import actor_memory
+        from actors.device_memory import actor_memory
 
         with self._step_lock:
             report = actor_memory(self, self._device, "weights").wake([self._model])

@@ -28,12 +28,13 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engines import weight_receiver as wr
 from engines.config import EngineConfig
 from engines.embedded import tensor_parallel as tpar
 from engines.embedded.decode import ModelRunner
 from engines.embedded.weight_files import read_state_dict, verify_dir
-from engines.weights import WeightLoadError, check_state_dict, load_into
+from engines.weights import check_state_dict, load_into
+from wire import receiver as wr
+from wire.errors import WeightLoadError
 
 
 def wait_all(refs: list[Any]) -> list[Any]:
@@ -159,12 +160,12 @@ class EngineRank:
     # ---- memory -------------------------------------------------------------
 
     def release(self) -> dict[str, Any]:
-        from engines.device_memory import actor_memory
+        from actors.device_memory import actor_memory
 
         return actor_memory(self, self._device, "weights").sleep([self._model])
 
     def resume(self) -> dict[str, Any]:
-        from engines.device_memory import actor_memory
+        from actors.device_memory import actor_memory
 
         return actor_memory(self, self._device, "weights").wake([self._model])
 

@@ -165,7 +165,7 @@ class _Server:
                     allowed_roots=self.settings.allowed_roots,
                 )
             )
-        except PermissionError as e:  # engines.weights.WeightPathError: a file escapes
+        except PermissionError as e:  # wire.errors.WeightPathError: a file escapes
             reply = {"success": False, "message": str(e), "num_paused_requests": 0}
             return JSONResponse(reply, status_code=403)
         return JSONResponse(res, status_code=200 if res["success"] else 400)
@@ -220,11 +220,11 @@ class _Server:
         if not self.settings.api_key:  # handles must come from the run's own actors
             raise BadRequest(NO_TENSOR_OVER_HTTP, status=403)
         body = await parse(request, UpdateWeightsFromTensorBody)
-        from engines.weight_receiver import decode_handle  # torch: only when used
+        from wire.receiver import decode_handle  # torch: only when used
 
         try:
             handles = [decode_handle(h) for h in body.serialized_named_tensors]
-        except ValueError as e:  # not a bucket handle (engines.safe_pickle)
+        except ValueError as e:  # not a bucket handle (wire.safe_pickle)
             raise BadRequest(str(e)) from None
         if body.abort_all_requests:
             await self.run(lambda: self.engine.abort_request(abort_all=True))

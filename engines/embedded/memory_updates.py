@@ -4,7 +4,7 @@ Owns ``update_weights_from_tensor`` (buckets handed over on the same host),
 ``init_weights_update_group`` / ``update_weights_from_distributed`` /
 ``destroy_weights_update_group`` (broadcast from trainer rank 0), the
 ``begin_weight_update`` / ``end_weight_update`` bracket, ``update_socket``
-(the same-host signal for cached updates, ``engines.update_socket``) and
+(the same-host signal for cached updates, ``wire.update_socket``) and
 ``state_sha256`` (for checking that a transport gives the same bytes as a disk
 reload).
 
@@ -28,13 +28,13 @@ from typing import Any
 import ray
 import torch
 
-from engines import weight_receiver as wr
 from engines.embedded import tensor_parallel as tpar
 from engines.embedded import weight_cache
 from engines.embedded.engine_ranks import wait_all
 from engines.types import UpdateWeightsResult
-from engines.update_socket import UpdateSocket
-from engines.weights import WeightLoadError
+from wire import receiver as wr
+from wire.errors import WeightLoadError
+from wire.update_socket import UpdateSocket
 
 _control = ray.method(concurrency_group="control")
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from engines.weight_receiver import all_reduce
+from wire.receiver import all_reduce
 
 COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
 ROW = frozenset({"o_proj", "down_proj"})

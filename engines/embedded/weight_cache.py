@@ -12,7 +12,7 @@ hold (an engine restarted since) raises ``CacheMiss``; the producer resends it
 in full. A handle without ``cache`` is opened, copied and dropped (streamed pushes).
 
 For a cached key on a single-rank engine, the engine's weights are bound into
-local flat buffers with the producer's layout (``engines.flat_binding``): an
+local flat buffers with the producer's layout (``wire.flat_binding``): an
 update is one device copy per dtype. Otherwise the copy is one
 ``torch._foreach_copy_`` into the model's own tensors, resolved by (module,
 attribute) at every update, so a model whose tensors moved (a sleep that moved
@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from engines import weight_receiver as wr
 from engines.embedded import tensor_parallel as tpar
-from engines.flat_binding import FlatPlan, adopt, resolve
-from engines.weights import WeightLoadError
+from wire import receiver as wr
+from wire.errors import WeightLoadError
+from wire.flat_binding import FlatPlan, adopt, resolve
 
 log = logging.getLogger(__name__)
 

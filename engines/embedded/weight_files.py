@@ -35,18 +35,12 @@ from typing import Any
 import torch
 
 from engines.security import confine
-from engines.weights import (
-    INDEX_NAME,
-    SINGLE_NAME,
-    WeightIntegrityError,
-    WeightLoadError,
-    WeightPathError,
-    shard_names,
-)
+from engines.weights import INDEX_NAME, SINGLE_NAME, shard_names
 from storage.errors import ManifestError
 from storage.layout import MANIFEST
 from storage.manifests import parse_manifest
 from storage.types import FileEntry, WeightsManifest
+from wire.errors import WeightIntegrityError, WeightLoadError, WeightPathError
 
 READ_CHUNK = 8 << 20  # bytes per read when hashing the small files
 FIX = "republish or re-pull the version"

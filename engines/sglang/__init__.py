@@ -1,7 +1,7 @@
 """``engines.kind: sglang``: one real SGLang server per engine actor.
 
-Modules (this ``__init__`` imports nothing: ``wire`` is read by the trainer,
-which must not pull in the actor):
+Modules (SGLang's in-memory weight formats, which the trainer builds too, are
+``wire.sglang_payload``):
 
 - ``server``: the ``python -m sglang.launch_server`` process: its command line
   (from ``engines.sglang``), log, readiness, a clean stop, death with the actor.
@@ -9,9 +9,6 @@ which must not pull in the actor):
   the embedded engine's Ray methods (``generate``, ``update_weights_from_*``,
   ``pause_generation`` ...) by calling that server over HTTP, so ``EngineGroup``
   and the weight transports drive both kinds alike.
-- ``wire``: SGLang's in-memory weight formats (the ``flattened_bucket`` tensor
-  payload and the broadcast layout), built without importing SGLang, whose
-  environment differs from the trainer's.
 
 Contracts: the admin token is always passed to the server and never logged; a
 server that fails to start fails the engine's start with its command and last

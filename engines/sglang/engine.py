@@ -6,7 +6,7 @@ transports drive both kinds alike. Weight updates:
 
 - ``update_weights_from_disk``: the server loads the version folder itself;
 - ``update_weights_from_tensor``: the trainer's handles are SGLang payloads
-  already (``engines.sglang.wire``: ``model_info`` says ``weight_wire:
+  already (``wire.sglang_payload``: ``model_info`` says ``weight_wire:
   sglang``), one per TP rank; this actor only posts them with
   ``load_format: flattened_bucket``;
 - ``init_weights_update_group`` / ``update_weights_from_distributed``: the
@@ -26,7 +26,7 @@ from typing import Any
 
 import ray
 
-from engines.actor_options import CONTROL_CONCURRENCY, CONTROL_GROUP, GENERATE_CONCURRENCY
+from actors.options import CONTROL_CONCURRENCY, CONTROL_GROUP, GENERATE_CONCURRENCY
 from engines.client import EngineClient, EngineHTTPError
 from engines.config import EngineConfig
 from engines.sglang.folder_check import refusal, start_shapes
@@ -218,11 +218,11 @@ class SGLangEngine:
         weight_version: str | None = None,
     ) -> UpdateWeightsResult:
         """Post one bucket: ``serialized_named_tensors`` holds one SGLang payload per
-        TP rank (``engines.sglang.wire.tensor_payload``)."""
+        TP rank (``wire.sglang_payload.tensor_payload``)."""
         if not all(isinstance(p, str) for p in serialized_named_tensors):
             return {
                 "success": False,
-                "message": "an SGLang engine takes SGLang payloads (engines.sglang.wire); the "
+                "message": "an SGLang engine takes SGLang payloads (wire.sglang_payload); the "
                 "trainer sent the embedded engine's handles",
                 "num_paused_requests": 0,
             }

@@ -1,4 +1,4 @@
-"""A real CUDA IPC bucket opens through the allow-list unpickler (engines.safe_pickle).
+"""A real CUDA IPC bucket opens through the allow-list unpickler (wire.safe_pickle).
 
 The producer is another process, as the trainer is: it pickles a CUDA tensor
 with ForkingPickler (training.weight_sender._ipc_handle's way) and keeps it
@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engines import weight_receiver as wr  # noqa: E402
-from engines.flat_bucket import TensorMeta  # noqa: E402
+from wire import receiver as wr  # noqa: E402
+from wire.flat_bucket import TensorMeta  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

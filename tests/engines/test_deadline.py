@@ -9,8 +9,8 @@ import uuid
 import pytest
 import ray
 
+from actors.deadline import CallTimeout
 from engines.config import EngineConfig
-from engines.deadline import CallTimeout
 from engines.group import EngineGroup
 
 SAMPLING = {"temperature": 1.0, "max_new_tokens": 3}
@@ -54,7 +54,7 @@ def test_an_http_request_to_a_paused_engine_fails_at_the_deadline(paused):
 
 
 def test_a_call_on_a_stuck_train_rank_names_the_rank(ray_cluster):
-    from engines.deadline import get
+    from actors.deadline import get
 
     @ray.remote(num_cpus=0)
     class Rank:

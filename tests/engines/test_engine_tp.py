@@ -14,9 +14,9 @@ import ray
 
 from engines.config import EngineConfig
 from engines.embedded.weight_files import read_state_dict
-from engines.flat_bucket import flatten
 from engines.group import EngineGroup
 from training.weight_sender import BroadcastSender, ShmSegment
+from wire.flat_bucket import flatten
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "stop_token_ids": []}
 PROMPTS = [[1, 5, 6, 7], [1, 9, 10], [1, 11, 12, 13, 14, 15]]

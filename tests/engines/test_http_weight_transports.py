@@ -10,14 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from safetensors.torch import load_file
 
-from engines import weight_receiver as wr
 from engines.client import EngineClient
 from engines.config import EngineConfig
 from engines.embedded.engine import EmbeddedEngine
 from engines.embedded.http_server import ServerSettings, serve_in_thread
-from engines.flat_bucket import flatten, iter_buckets
 from training.tiny_model import write_tiny_model
 from training.weight_sender import ShmSegment
+from wire import receiver as wr
+from wire.flat_bucket import flatten, iter_buckets
 
 TOKEN = "transport-token"
 

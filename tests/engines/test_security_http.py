@@ -15,13 +15,13 @@ import httpx
 import pytest
 import torch
 
-from engines import weight_receiver as wr
 from engines.config import EngineConfig
 from engines.embedded.engine import EmbeddedEngine
 from engines.embedded.http_server import NO_TENSOR_OVER_HTTP, ServerSettings, serve_in_thread
-from engines.flat_bucket import TensorMeta, flatten
-from engines.safe_pickle import UnsafePickleError, safe_loads
 from training.weight_sender import ShmSegment
+from wire import receiver as wr
+from wire.flat_bucket import TensorMeta, flatten
+from wire.safe_pickle import UnsafePickleError, safe_loads
 
 TOKEN = "sec-token"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}

@@ -1,4 +1,4 @@
-"""SGLang's weight wire formats (``engines.sglang.wire``), checked on CPU.
+"""SGLang's weight wire formats (``wire.sglang_payload``), checked on CPU.
 
 The server unpickles a tensor payload through an allow-list of module prefixes
 and views every slice back as its dtype in place; a payload it cannot read
@@ -17,9 +17,9 @@ import pickle
 import pytest
 import torch
 
-from engines.flat_bucket import flatten
-from engines.sglang import wire
 from flows.config import load_config
+from wire import sglang_payload
+from wire.flat_bucket import flatten
 
 # The module prefixes SGLang 0.5.17's SafeUnpickler admits that a payload may need.
 SGLANG_ALLOWED = ("builtins.", "collections.", "copyreg.", "types.", "torch.", "multiprocessing.")
@@ -50,29 +50,29 @@ def _named() -> list[tuple[str, torch.Tensor]]:
 def test_mixed_dtype_bucket_rebuilds_bit_exact_and_aligned():
     named = _named()
     flats = flatten(named)
-    flat, meta = wire.broadcast_flat(flats), wire.byte_metadata(flats)
+    flat, meta = sglang_payload.broadcast_flat(flats), sglang_payload.byte_metadata(flats)
     assert flat.dtype == torch.uint8 and flat.numel() == sum(t.nbytes for _, t in named)
     for m in meta:  # each slice can be viewed as its dtype in place (SGLang does)
         assert m.start_idx % torch.empty(0, dtype=m.dtype).element_size() == 0, m.name
         assert m.end_idx - m.start_idx == m.numel
-    got = dict(wire.rebuild(flat, meta))
+    got = dict(sglang_payload.rebuild(flat, meta))
     for name, t in named:
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
 
 
 def test_one_dtype_bucket_is_a_view_not_a_copy():
     flats = flatten([("x", torch.ones(4)), ("y", torch.zeros(2, 2))])
-    assert wire.broadcast_flat(flats).data_ptr() == flats[0].flat.data_ptr()
+    assert sglang_payload.broadcast_flat(flats).data_ptr() == flats[0].flat.data_ptr()
 
 
 def test_payload_names_only_what_sglang_admits_and_round_trips():
     named = _named()
-    payload = base64.b64decode(wire.tensor_payload(flatten(named)), validate=True)
+    payload = base64.b64decode(sglang_payload.tensor_payload(flatten(named)), validate=True)
     reader = AllowListUnpickler(io.BytesIO(payload))
     body = reader.load()  # raises on any global SGLang would refuse
     assert {"types.SimpleNamespace", "torch.Size", "torch.bfloat16"} <= set(reader.loaded)
     assert set(body) == {"flattened_tensor", "metadata"}
-    got = dict(wire.rebuild(body["flattened_tensor"], body["metadata"]))
+    got = dict(sglang_payload.rebuild(body["flattened_tensor"], body["metadata"]))
     assert all(torch.equal(got[n], t) for n, t in named)
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from engines import weight_receiver as wr
 from engines.embedded import tensor_parallel as tpar
 from engines.embedded.decode import ModelRunner
+from wire import receiver as wr
 
 
 def _qwen2_with_biases() -> torch.nn.Module:

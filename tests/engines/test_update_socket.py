@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from engines.update_socket import MAX_LINE, PREFIX, UpdateClient, UpdateSocket
+from wire.update_socket import MAX_LINE, PREFIX, UpdateClient, UpdateSocket
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def test_a_handler_error_is_the_reply_and_the_connection_lives_on():
 def test_the_folder_of_a_killed_engine_is_swept_by_the_next():
     # A process that opens a socket and is SIGKILLed leaves its folder behind.
     code = (
-        "import os, signal; from engines.update_socket import UpdateSocket; "
+        "import os, signal; from wire.update_socket import UpdateSocket; "
         "s = UpdateSocket(lambda *a: {}); print(s.path, flush=True); "
         "os.kill(os.getpid(), signal.SIGKILL)"
     )
@@ -238,7 +238,7 @@ def test_a_folder_any_user_can_make_in_tmp_does_not_stop_the_socket(tmp_path):
 # floods it with connections until every descriptor is in use, then lets them go.
 _LOW_FD_ENGINE = r"""
 import json, os, resource, sys
-from engines.update_socket import UpdateSocket
+from wire.update_socket import UpdateSocket
 
 sock = UpdateSocket(lambda c, k, f, v: {"success": True, "message": k})
 used = len(os.listdir("/proc/self/fd"))

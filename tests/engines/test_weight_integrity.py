@@ -19,8 +19,8 @@ from engines.client import EngineClient, EngineHTTPError
 from engines.config import EngineConfig
 from engines.embedded.engine import EmbeddedEngine
 from engines.embedded.http_server import ServerSettings, serve_in_thread
-from engines.weights import WeightIntegrityError
 from storage.weights import WeightsWriter
+from wire.errors import WeightIntegrityError
 
 PROMPT = [1, 5, 6, 7, 25, 8]
 GREEDY = {"max_new_tokens": 8, "temperature": 0}

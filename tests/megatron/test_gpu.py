@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from mcore_helpers import hf_state, tiny_model  # noqa: E402
 
-from engines.device_memory import DeviceMemory  # noqa: E402
+from actors.device_memory import DeviceMemory  # noqa: E402
 from rollout.types import RolloutBatch, Sample  # noqa: E402
 from storage.config import StorageConfig  # noqa: E402
 from storage.run_store import RunStore  # noqa: E402

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.device_memory import DeviceMemory, actor_memory
-from engines.placement import SharedPlacement, colocated_bundles
+from actors.device_memory import DeviceMemory, actor_memory
+from actors.placement import SharedPlacement, colocated_bundles
 from flows.config import ConfigError, load_config
 
 COLOCATE = {"placement.colocate": True}

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from engines import weight_receiver as wr
-from engines.flat_bucket import flatten, iter_buckets, unflatten
 from training.weight_sender import ShmSegment
+from wire import receiver as wr
+from wire.flat_bucket import flatten, iter_buckets, unflatten
 
 
 def _named() -> list[tuple[str, torch.Tensor]]:

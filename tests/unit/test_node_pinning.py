@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.placement import NODE_SHARE, colocated_bundles, describe_node, pinned
+from actors.placement import NODE_SHARE, colocated_bundles, describe_node, pinned
 from flows.config import ConfigError, load_config
 
 PINS = {"engines.node_resource": "engine_host", "train.node_resource": "train_host"}

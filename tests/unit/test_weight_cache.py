@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 
-from engines import weight_receiver as wr
 from engines.embedded.weight_cache import CacheMiss, ReceiverCache, apply
-from engines.weights import WeightLoadError
 from training.weight_staging import Layout, Staging, has_room, sweep_dead_segments
+from wire import receiver as wr
+from wire.errors import WeightLoadError
 
 
 class Tied(torch.nn.Module):

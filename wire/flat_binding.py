@@ -1,7 +1,7 @@
 """Model tensors that live inside one flat buffer per dtype (the bucket layout).
 
 Owns rebinding a model's parameters and buffers as views of a flat buffer laid
-out like a ``flattened_bucket`` (``engines.flat_bucket``), and checking that
+out like a ``flattened_bucket`` (``wire.flat_bucket``), and checking that
 they still are. Both ends of a resident ``tensor`` push use it:
 
 - the trainer binds its weights into its staging buffer, so an update needs no

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from engines.flat_bucket import FlatBucket, to_dtype
+from wire.flat_bucket import FlatBucket, to_dtype
 
 # The argument of torch's CUDA tensor reduction that holds the device index.
 _DEVICE_ARG = 6

@@ -5,7 +5,7 @@ Owns turning what a trainer hands over into tensors copied into the model:
   producer keeps until the engine's call returns) or CUDA IPC handles (GPU),
   each holding one flat tensor per dtype in the ``flattened_bucket`` layout.
   Handles are checked before use (``check_handle``): only the allow-listed
-  unpickler reads their bytes (``engines.safe_pickle``), and a shared-memory
+  unpickler reads their bytes (``wire.safe_pickle``), and a shared-memory
   handle may only name a producer segment in the shared-memory folder.
   A handle may carry ``cache`` (``engines.embedded.weight_cache``): the producer keeps
   that buffer across updates and the receiver keeps it open;
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engines.flat_bucket import FlatBucket, TensorMeta, flat_from_meta, to_dtype, unflatten
-from engines.safe_pickle import UnsafePickleError, safe_loads
-from engines.weights import WeightLoadError
+from wire.errors import WeightLoadError
+from wire.flat_bucket import FlatBucket, TensorMeta, flat_from_meta, to_dtype, unflatten
+from wire.safe_pickle import UnsafePickleError, safe_loads
 
 GROUP_TIMEOUT = timedelta(minutes=10)
 # training.weight_sender.ShmSegment names its files so; nothing else may be mapped.

@@ -34,7 +34,7 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
-from engines.config import RAY_RESOURCES
+from actors.resources import RAY_RESOURCES
 
 # Of a side's node resource per bundle: enough to pin it, small enough that a node
 # offering 1 unit holds up to 1,000 bundles (Ray keeps 4 decimals of a resource).

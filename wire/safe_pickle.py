@@ -3,7 +3,7 @@
 Owns the only place where the engines unpickle bytes that came from outside
 the process: the base64 bucket handles of ``/update_weights_from_tensor`` and
 the CUDA IPC tensor pickles inside a handle. ``find_class`` resolves only the
-globals a flattened bucket is made of (``engines.flat_bucket.TensorMeta``, the
+globals a flattened bucket is made of (``wire.flat_bucket.TensorMeta``, the
 CUDA tensor rebuild function and the torch types and dtypes it is called
 with); anything else, ``os.system``, ``subprocess``, ``builtins.eval`` or
 ``getattr`` included, is refused before it is looked up. The same idea as
@@ -38,7 +38,7 @@ _DTYPES = frozenset(
 )
 
 ALLOWED: dict[str, frozenset[str]] = {
-    "engines.flat_bucket": frozenset({"TensorMeta"}),
+    "wire.flat_bucket": frozenset({"TensorMeta"}),
     # What ForkingPickler writes for a CUDA tensor (torch.multiprocessing.reductions).
     "torch.multiprocessing.reductions": frozenset({"rebuild_cuda_tensor"}),
     "torch": frozenset({"Tensor", "Size", *_DTYPES}),
@@ -56,7 +56,7 @@ class _AllowListUnpickler(pickle.Unpickler):
         if name not in ALLOWED.get(module, ()):
             raise UnsafePickleError(
                 f"refused to unpickle {module}.{name}: a weight-update handle may only hold "
-                "TensorMeta and CUDA tensor handles (engines.safe_pickle.ALLOWED)"
+                "TensorMeta and CUDA tensor handles (wire.safe_pickle.ALLOWED)"
             )
         return super().find_class(module, name)
 
