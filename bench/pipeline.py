@@ -11,7 +11,7 @@ reward against the time its weights were published, after the first iteration
 (which starts the engines).
 The goals read:
 
-    staleness >= 1: wall <= 1.25 x max(rollout, train)  (issue 34: 1.1 x at staleness 4 on GPU)
+    staleness >= 1: wall <= 1.25 x max(rollout, train)
     staleness 0: wall <= 1.15 x (rollout + train + reload)    (reload = the weight sync)
 
     .venv/bin/python -m bench.pipeline --iterations 20 --staleness 0 1 2 4 \

@@ -4,13 +4,13 @@ Runs ``configs/smollm2-cpu.yaml`` (or ``--config``) for ``--iterations`` with th
 plain driver in a fresh storage root, then prints one line per iteration (the
 batch's mean reward, the held-out greedy and sampled pass@1 where evaluated
 (``eval.interval``: the same held-out prompts each time), an example answer)
-and the CPU goal of issue 33 beside the figures it reads:
+and the CPU goal beside the figures it reads:
 
     mean reward of the last 5 iterations > mean reward of the first 5
 
 The base model (v0) is evaluated before training on the same engines and held-out
 prompts (``eval.before_training``: ledger record ``iter_0/evaluate``), and the GPU
-goal of issue 33 is read beside it: the last held-out greedy pass@1 at least 2x
+goal is read beside it: the last held-out greedy pass@1 at least 2x
 the base model's. Needs the model imported once:
 
     .venv/bin/prefect-rl import-model smollm2-135m-instruct

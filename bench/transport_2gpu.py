@@ -1,7 +1,7 @@
 """``distributed`` between two GPUs: a train actor on one GPU broadcasts the model
 over NCCL to an embedded engine on the other, beside a peer copy of the same
 bytes across the two GPUs (``src.to("cuda:1")`` in this process, timed with CUDA
-events), measured in the same run. The goal (issue 18) is ours >= 0.5x the peer copy.
+events), measured in the same run. The goal is ours >= 0.5x the peer copy.
 
 Each side asks for a whole GPU (two 1-GPU placement groups on a 2-GPU node, so
 Ray puts them on different devices). ``s/update`` is the wall time of one

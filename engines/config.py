@@ -87,8 +87,8 @@ class EngineConfig(BaseModel):
     health_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="Deadline of an engine's health check, of its placement and of each "
-        "call that starts it",
+        description="Deadline of a health check, and of each stage of an engine's start "
+        "(placement, actor creation, model_info)",
     )
     request_timeout_s: float = Field(
         3600.0,

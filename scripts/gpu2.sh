@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test (the 2-GPU ones included) and the 2-GPU transport bench, in ONE
-# call of the device tool on nvidia-h200-x2 (issue 18).
+# call of the device tool on nvidia-h200-x2.
 #
 # Once, in this checkout (.devbundle is git-ignored, so `carry` takes it along;
 # ../shared/device/README.md says what the bundle holds):

@@ -12,7 +12,7 @@
 #   bash scripts/gpu_sglang.sh test [-k EXPR]  # pytest -m "gpu and sglang"
 #   bash scripts/gpu_sglang.sh gguf      # gather the SmolLM2 GGUF carried as .gguf1/, .gguf2/
 #   bash scripts/gpu_sglang.sh smollm2   # SmolLM2 learning on SGLang (STALENESS, SEEDS)
-#   bash scripts/gpu_sglang.sh staleness # SmolLM2 at STALENESS="1 2" with TIS (issue 34)
+#   bash scripts/gpu_sglang.sh staleness # SmolLM2 at STALENESS="1 2" with TIS
 #   bash scripts/gpu_sglang.sh eval [JSON]  # evaluate-versions on 0.5B: embedded and SGLang
 #
 # Results go to $OUT (or bench/results when OUT is unset).
@@ -55,11 +55,11 @@ bench)
             grep -v "server_args\|Writing model\|Loading weights"
     fi
     with_site configs/gpu-0.5b-sglang.yaml /tmp/gpu-0.5b-sglang.yaml
-    # Staleness 0 and 1 as the config ships (issue 32's goals), then 2 and 4 with TIS
-    # (issue 34's: the wall beside max(rollout, train), learning per wall second).
+    # Staleness 0 and 1 as the config ships, then 2 and 4 with TIS (the wall
+    # beside max(rollout, train), learning per wall second).
     # BENCH_SET="rollout.max_new_tokens=128" adds overrides (the config's 4 new tokens
     # leave a rollout of 0.14 s of engine work, where the iteration's fixed costs set
-    # the ratios: README, Engines), BENCH_TAG names the file.
+    # the ratios: docs/benchmarks.md), BENCH_TAG names the file.
     sets=()
     for kv in ${BENCH_SET:-}; do sets+=(--set "$kv"); done
     python3 -m bench.pipeline --config /tmp/gpu-0.5b-sglang.yaml --iterations 12 \
@@ -147,7 +147,7 @@ gguf)
     mkdir -p /tmp/gguf && cp .gguf*/* /tmp/gguf/ && ls -la /tmp/gguf
     ;;
 staleness)
-    # Issue 34 on a real model: SmolLM2 (after smollm2-import) learning add-2d at each
+    # Off-policy on a real model: SmolLM2 (after smollm2-import) learning add-2d at each
     # staleness in STALENESS (default "1 2"), TIS on, no evaluation; reward per wall
     # second after the first iteration. PARTIAL=1 adds rollout.partial; SEEDS="0 1"
     # repeats each staleness per seed (the spread is the learning figures' noise);

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoModelForCausalLM
 
-from training.logprobs import token_stats
+from training.logprobs import Kernel, token_stats
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # cpu_offload + full_state_dict: rank 0 gets CPU tensors, the other ranks get {}.
@@ -183,6 +183,7 @@ def token_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     packed: bool = False,
+    kernel: Kernel = "eager",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each next token, [B, T-1] float32, under ``log_softmax(logits /
     temperature)``: the distribution the engines sampled the batch from and report
@@ -199,7 +200,8 @@ def token_logprobs(
 
     ``packed``: run the right-padded rows as one row of their real tokens
     (``pack_rows``) and give the result back in the padded layout, 0 on padding.
-    Same values as the padded forward up to float rounding."""
+    Same values as the padded forward up to float rounding. ``kernel``: the
+    softmax maths of ``training.logprobs`` (``pick_kernel``)."""
     if temperature <= 0:
         raise ValueError(
             f"token logprobs at temperature {temperature}: a greedy batch has no sampling "
@@ -226,6 +228,7 @@ def token_logprobs(
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
+        kernel=kernel,
     )
     head = _plain_output_layer(model)
     if head is None:
@@ -245,6 +248,7 @@ def _selected_stats(
     temperature: float,
     with_entropy: bool,
     entropy_grad: bool,
+    kernel: Kernel,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stats at the ``select``ed next-token positions of ``out`` [B, L, H or V]:
     hidden states through ``weight`` (chunked), or logits when ``weight`` is None."""
@@ -257,7 +261,9 @@ def _selected_stats(
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropy = -(logp.exp() * logp).sum(-1)
         return lp, entropy
-    return token_stats(rows, weight, targets, temperature, with_entropy, entropy_grad)
+    return token_stats(
+        rows, weight, targets, temperature, with_entropy, entropy_grad, kernel=kernel
+    )
 
 
 def _plain_output_layer(model: nn.Module) -> nn.Linear | None:

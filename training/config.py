@@ -278,6 +278,14 @@ class TrainConfig(BaseModel):
         "engine serving bf16 gets), gradients added into the fp32 master; several ranks "
         "use FSDP2 mixed precision (gradients reduced in fp32). None: model.dtype",
     )
+    logprob_kernel: Literal["auto", "eager", "compiled"] = Field(
+        "auto",
+        description="How the trainer computes log-softmax, logprobs and entropy over each "
+        "chunk of output logits: eager (ATen ops), compiled (the same formulas through "
+        "torch.compile, fused kernels on CUDA, a one-time compile of tens of seconds) or "
+        "auto (compiled on CUDA with Triton installed, else eager); the two agree to "
+        "float32 rounding",
+    )
     release_after_publish: bool = Field(
         False,
         description="After each publish, end the train ranks and free their devices; every "
@@ -404,7 +412,7 @@ class WeightsConfig(BaseModel):
     @field_validator("delta", mode="before")
     @classmethod
     def _yaml_switch(cls, v: object) -> object:
-        # YAML 1.1 reads a bare on/off (as the README writes it) as true/false.
+        # YAML 1.1 reads a bare on/off (as the docs write it) as true/false.
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 

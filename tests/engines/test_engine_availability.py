@@ -1,4 +1,4 @@
-"""Issue 20, engine half: one bad request cannot fail, hang or kill an engine.
+"""One bad request cannot fail, hang or kill an engine.
 
 Requests are checked against the model (vocabulary, context length, seed
 range) and refused alone; a request that fails inside a batch fails alone;

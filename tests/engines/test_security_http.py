@@ -1,4 +1,4 @@
-"""Issue 20, engine half: no request data is unpickled outside the allow-list, and
+"""No request data is unpickled outside the allow-list, and
 a web page cannot drive a loopback engine's admin endpoints.
 
 Real uvicorn servers on loopback and real HTTP requests; the "attacks" are

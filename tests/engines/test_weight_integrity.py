@@ -1,4 +1,4 @@
-"""Issue 20, engine half: a reload loads only files inside the allowed roots, and
+"""A reload loads only files inside the allowed roots, and
 only bytes that match the version's manifest.json.
 
 Versions are published with storage's real writer (``WeightsWriter``: shards,

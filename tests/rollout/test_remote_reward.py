@@ -1,7 +1,7 @@
 """``rollout.reward: http://...`` against a real reward server on loopback
 (http.server in a thread): a good reply, a retried 503, a server that times
 out, one that is down, one that answers garbage or the wrong count, and the
-scoring fanned out over Ray tasks. The limits (issue 31): redirects are never
+scoring fanned out over Ray tasks. The limits: redirects are never
 followed (the token stays with the configured origin), rewards are bounded,
 ``timeout_s`` bounds the whole reply (a dripped one too), a body has a size
 cap, and retry pauses have a ceiling."""
@@ -208,7 +208,7 @@ def test_a_url_with_credentials_is_refused_at_load():
 
 
 def test_scoring_fans_out_over_ray_tasks(ray_cluster, server):
-    from tasks.rollout_services import ray_scorer
+    from tasks.rollouts.services import ray_scorer
 
     cfg = RolloutConfig(reward=f"{server.url}/ok", remote_reward=FAST, reward_workers=2)
     before = len(server.requests)

@@ -14,7 +14,7 @@ N, H, V = 13, 8, 50
 
 
 def _reference(hidden, weight, targets, t, entropy_grad=True):
-    """What the trainer computed before: log_softmax over the whole [N, V]."""
+    """log_softmax over the whole [N, V] logits: what token_stats must equal."""
     logp = torch.log_softmax((hidden @ weight.T).float() / t, dim=-1)
     lp = logp.gather(-1, targets[:, None]).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -200,3 +200,28 @@ def test_bad_shapes_are_named():
         token_stats(hidden, weight, targets, chunk_rows=0)
     with pytest.raises(ValueError, match="hidden is torch.bfloat16 but weight is torch.float32"):
         token_stats(hidden.bfloat16(), weight, targets)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_kernel_agrees_with_eager_on_cuda(dtype):
+    """The CUDA default (``pick_kernel``) gives eager's values and gradients, in
+    chunks of unequal size (the dynamic row count) with and without the entropy."""
+    from training.logprobs import pick_kernel
+
+    assert pick_kernel("auto", torch.device("cuda")) == "compiled"
+    assert pick_kernel("auto", torch.device("cpu")) == "eager"
+    hidden, weight, targets = (x.cuda() for x in _inputs(dtype, n=300, h=64, v=5000))
+    weights = torch.linspace(0, 1, 300, device="cuda")
+    out = {}
+    for kernel in ("eager", "compiled"):
+        for entropy_grad in (False, True):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            lp, ent = token_stats(h, w, targets, 0.7, True, entropy_grad, 128, kernel)
+            loss = (lp * weights).sum() + ((ent * weights).sum() if entropy_grad else 0)
+            loss.backward()
+            out[kernel, entropy_grad] = [lp, ent, h.grad, w.grad]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for entropy_grad in (False, True):
+        for a, b in zip(out["eager", entropy_grad], out["compiled", entropy_grad]):
+            torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)

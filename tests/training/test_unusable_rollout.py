@@ -1,4 +1,4 @@
-"""A persisted rollout whose rewards give NaN advantages (issue 31: a reward of
+"""A persisted rollout whose rewards give NaN advantages (a reward of
 1e39 is finite in float64, inf in the trainer's float32) is refused before any
 optimizer step: as a pure check of the batch builder, and through the real
 train step, whose error names the rollout file and what to delete so that the
