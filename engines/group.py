@@ -12,7 +12,8 @@ Owns the driver-side view of a run's engines. It holds only names and config
   and load the version it is told to serve; ``engines.node_resource`` pins the
   groups to the engine hosts (``actors.placement``).
 
-Rollout dispatch (``generate_groups``, ``generate_rows``) is ``engines.dispatch``.
+Rollout dispatch (``generate_groups``, ``generate_rows``) is ``engines.dispatch``,
+which the group hands itself and its restart.
 
 It never decides which version should be served: the caller (reload, verify)
 does; a restart defaults to the version a live peer reports.
@@ -37,16 +38,18 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors import deadline
 from actors.history import ran_before
 from actors.placement import SharedPlacement, pinned, unplaceable
+from engines import dispatch
 from engines.client import EngineClient
 from engines.config import EngineConfig
-from engines.dispatch import RolloutDispatch
+from engines.dispatch import RestartFn
 from engines.node_pull import pull_on_node
+from engines.types import GenerateResult
 from storage.config import StorageConfig
 
 log = logging.getLogger(__name__)
 
 
-class EngineGroup(RolloutDispatch):
+class EngineGroup:
     """Driver-side handle on a run's engines; holds names and config only."""
 
     def __init__(
@@ -282,6 +285,38 @@ class EngineGroup(RolloutDispatch):
         if path is None:
             raise ValueError("no model to restart with: call start() or pass restart_fn")
         self.restart(i, path, version)
+
+    # ---- rollout dispatch ---------------------------------------------------
+
+    def generate_groups(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: dict[str, Any],
+        seeds: list[list[int]],
+        restart_fn: RestartFn | None = None,
+        max_restarts: int = 2,
+    ) -> list[list[GenerateResult]]:
+        """``n`` samples per prompt, in prompt order; ``seeds[g][j]``: sample j of
+        prompt g's sampling_seed. Dispatch and restarts: ``generate_rows``."""
+        rows, params = dispatch.group_rows(prompts, n, sampling, seeds)
+        return self.generate_rows(rows, params, restart_fn, max_restarts)
+
+    def generate_rows(
+        self,
+        rows: list[list[list[int]]],
+        params: list[list[dict[str, Any]]],
+        restart_fn: RestartFn | None = None,
+        max_restarts: int = 2,
+    ) -> list[list[GenerateResult]]:
+        """Group g's rows ``rows[g]`` with its ``params[g]`` entry, group g on engine
+        ``g % engines`` in one call (``dispatch.generate_rows``). A dead engine is
+        restarted by ``restart_fn(i)`` (default: at the version a live peer serves)
+        at most ``max_restarts`` times and its share sent again whole."""
+        restart = restart_fn or self._default_restart
+        return dispatch.generate_rows(
+            self, rows, params, restart, max_restarts, self.call_timeout_s
+        )
 
     # ---- HTTP -------------------------------------------------------------
 

@@ -14,7 +14,7 @@ Contracts:
 - ``TrainActor.train_step(k)`` needs trainer state k-1 (else StateMismatchError)
   and rollouts k in the run store; it never generates. Rewards that give a
   non-finite advantage are refused before any step (``types.UnusableRollout``;
-  ``tasks.rollout_file`` names the file and how to regenerate it).
+  ``tasks.rollouts.unusable`` names the file and how to regenerate it).
 - ``train_step`` scores a batch under ``log_softmax(logits / T)`` at the temperature
   the batch records (``RolloutBatch.temperature``), the distribution the engines
   sampled from, at the loss positions only (``logprobs.token_stats``: no
@@ -26,7 +26,11 @@ Contracts:
 - Imports torch, transformers, ray, ``wire``, ``actors``, ``rollout`` and ``storage``;
   never Prefect, never ``engines`` (what both sides share is in ``wire`` and ``actors``).
 - ``push_weights`` (collective; rank 0 sends) hands the held state to one
-  engine over ``weights.transport`` tensor/distributed (``weight_sender``).
+  engine over ``weights.transport`` tensor/distributed (``weight_pusher``, over
+  ``weight_sender`` and ``broadcast_sender``).
+- A train actor owns its collaborators and delegates to them: ``durable.DurableState``
+  (checkpoints, published versions) and ``weight_pusher.WeightPusher`` (pushes).
+  Each gets what it needs at construction or per call and never reads the actor.
 - Losses/advantages are pure tensor functions (``losses.py``, ``advantages.py``),
   and so are the engine/trainer mismatch corrections (``correction.py``), which
   ``train.loss.rollout_correction`` turns on (off: the losses' numbers are unchanged).

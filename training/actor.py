@@ -1,10 +1,14 @@
 """One train rank: model, optimizer and the trainer-state iteration it holds.
 
 Owns what happens inside a rank: init from base weights, one GRPO step per
-iteration over persisted rollouts, checkpoint save/load and HF export through
-the run store. It is a plain class; ``training.group`` wraps it in Ray. Never
-generates rollouts, never chooses which checkpoint to restore and never
-imports Prefect.
+iteration over persisted rollouts, and the rank's collaborators, to which its
+Ray-visible methods delegate: ``DurableState`` (``training.durable``: checkpoint
+save/load and HF export through the run store) and ``WeightPusher``
+(``training.weight_pusher``: pushes to engines). Each is handed what it needs
+at construction (the actor's backend hooks as a ``RankState``) or per call,
+and neither reads the actor. It is a plain class; ``training.group`` wraps it
+in Ray. Never generates rollouts, never chooses which checkpoint to restore
+and never imports Prefect.
 
 Determinism (the recovery invariant): every step reseeds torch from
 (seed, k, rank), runs micro-batches in a fixed order, and uses deterministic
@@ -21,16 +25,18 @@ import torch
 
 from rollout.types import RolloutBatch
 from training import backend_torch as bt
+from training import checkpoint
 from training.algorithm import policy_loss
-from training.background_save import CHECKPOINT_LOST, VERSION_LOST, BackgroundSaver
 from training.batch import build_train_batch, rank_micro_batches
 from training.config import RunIdentity, TrainerSections
-from training.durable import DurableState
+from training.durable import DurableState, RankState
 from training.export import drop_tied
 from training.host_staging import HostStaging
+from training.logprobs import pick_kernel
 from training.mixed_precision import ComputeCopy
 from training.types import MISMATCH_METRICS as MISMATCH
 from training.types import RolloutMismatchError, mismatch_message
+from training.weight_pusher import WeightPusher
 
 
 class StateMismatchError(RuntimeError):
@@ -41,7 +47,7 @@ def step_seed(seed: int, k: int, rank: int) -> int:
     return (seed * 1_000_003 + k * 1_009 + rank) % (2**63 - 1)
 
 
-class TrainActor(DurableState):
+class TrainActor:
     def __init__(
         self,
         identity: RunIdentity,
@@ -67,13 +73,17 @@ class TrainActor(DurableState):
         self.pad_id = 0
         self._iteration: int | None = None
         self._stores: dict[int | None, Any] = {}  # by fence
-        # Background writes of checkpoints (save_checkpoint) and published versions (export_hf).
-        self._saver = BackgroundSaver("checkpoint", CHECKPOINT_LOST)
-        self._publisher = BackgroundSaver("weights version", VERSION_LOST)
-        # Host buffers a checkpoint's snapshot (and a background publish's weights) are
-        # copied into, reused by the next one once the last is written.
-        self._host_staging = HostStaging()
-        self._publish_staging = HostStaging()
+        # Checkpoints and published versions; the backend's parts are this actor's hooks.
+        hooks = RankState(
+            snapshot=self._checkpoint_snapshot,
+            restore=self._restore,
+            meta=self._checkpoint_meta,
+            hf_state=self._hf_state,
+        )
+        place = (self.rank, self.world_size, self.seed, self.run_name)
+        self.durable = DurableState(*place, self.weights_cfg, store=self.store, state=hooks)
+        # Pushes of the held state to engines (weights.transport tensor / distributed).
+        self.pusher = WeightPusher(self.rank, self.world_size, self.device)
 
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:
@@ -122,6 +132,45 @@ class TrainActor(DurableState):
         self._iteration = 0
         return 0
 
+    # -- durable state and pushes (collaborators) ---------------------------
+    def load_checkpoint(self, k: int) -> int:
+        """Restore model, optimizer and RNG of checkpoint ``k`` (after init_from_base)."""
+        self._require_model()
+        self._iteration = self.durable.load(k)
+        return self._iteration
+
+    def save_checkpoint(
+        self,
+        k: int,
+        meta_extra: dict | None = None,
+        fence: int | None = None,
+        background: bool = False,
+        fail_background: bool = False,
+    ) -> dict | None:
+        """Collective. Rank 0 commits ``checkpoints/iter_k`` (fenced) and returns its
+        meta; ``background`` writes it on a thread (``DurableState.save``)."""
+        self._require_at(k, "save_checkpoint")
+        return self.durable.save(k, meta_extra, fence, background, fail_background)
+
+    def wait_saved(self) -> list[str]:
+        """Wait for the background checkpoint write in flight; failures since last asked."""
+        return self.durable.wait()
+
+    def export_hf(
+        self,
+        version: int,
+        iteration: int,
+        parent: int | None,
+        fence: int | None = None,
+        background: bool = False,
+    ) -> dict | None:
+        """Collective. Rank 0 publishes ``weights/v{version}`` (fenced) and returns a
+        summary; ``background`` writes it on a thread (``DurableState.publish``)."""
+        self._require_model()
+        return self.durable.publish(
+            version, iteration, parent, self.model, self.base_model_path, fence, background
+        )
+
     def push_weights(
         self,
         engine: Any,
@@ -132,10 +181,43 @@ class TrainActor(DurableState):
     ) -> dict | None:
         """Collective. Rank 0 sends the trainer state it holds to ``engine`` as weight
         version ``iteration`` over ``transport`` ('tensor' or 'distributed')."""
-        from training.weight_sender import push_from_rank
+        from actors.device_memory import has_slept
 
         self._require_model()
-        return push_from_rank(self, engine, transport, bucket_bytes, flush_cache, group_name)
+        return self.pusher.push(
+            engine,
+            transport,
+            self._iteration,
+            self._push_tensors(),
+            bucket_bytes,
+            flush_cache,
+            group_name,
+            sleeps=has_slept(self),
+            model=self._bindable_model(),
+        )
+
+    # Backend hooks of the durable state (handed to it as a RankState) and of pushes:
+    # the megatron actor overrides each.
+    def _checkpoint_snapshot(self, copy: bool, staging: HostStaging) -> dict | None:
+        """Collective: the checkpoint's contents on rank 0 (``checkpoint.snapshot``;
+        an unsharded model's state lands in ``staging``'s reused host buffers)."""
+        return checkpoint.snapshot(self.model, self.optim, self.rank, copy=copy, staging=staging)
+
+    def _restore(self, store: Any, k: int) -> dict:
+        """Load checkpoint ``k`` of ``store`` into the model and optimizer; its meta."""
+        return checkpoint.load(store, k, self.model, self.optim)
+
+    def _checkpoint_meta(self) -> dict:
+        """What this backend adds to a checkpoint's meta."""
+        return {}
+
+    def _hf_state(self, staging: HostStaging | None = None) -> dict[str, torch.Tensor]:
+        """The full state dict in HF names, tied output dropped (collective).
+        ``staging``: an unsharded model's state is copied into these reused host
+        buffers (a background publish's host copy, at the link's speed)."""
+        if staging is not None and not bt.is_sharded(self.model):
+            return staging.copy(drop_tied(self.model, bt.full_model_state(self.model, True)))
+        return drop_tied(self.model, bt.full_model_state(self.model))
 
     def _push_tensors(self) -> Any:
         """(HF name, full tensor) pairs a push sends, one at a time; collective."""
@@ -231,8 +313,8 @@ class TrainActor(DurableState):
 
         return policy_advantages(self.cfg.loss, self.storage_cfg, self.run_name, k)
 
-    # Backend hooks: the megatron actor overrides these four and nothing else of
-    # the train/export path.
+    # Backend hooks of the step: the megatron actor overrides these two,
+    # ``_data_parallel_size`` and ``_all_reduce_sums``.
     def _data_parallel_rank(self) -> int:
         return self.rank
 
@@ -242,14 +324,6 @@ class TrainActor(DurableState):
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
             norm = norm.full_tensor()
         return float(norm)
-
-    def _hf_state(self, staging: HostStaging | None = None) -> dict[str, torch.Tensor]:
-        """The full state dict in HF names, tied output dropped (collective).
-        ``staging``: an unsharded model's state is copied into these reused host
-        buffers (a background publish's host copy, at the link's speed)."""
-        if staging is not None and not bt.is_sharded(self.model):
-            return staging.copy(drop_tied(self.model, bt.full_model_state(self.model, True)))
-        return drop_tied(self.model, bt.full_model_state(self.model))
 
     def _reference_logprobs(self, mbs: list, temperature: float) -> tuple[list, list]:
         """Old logprobs and reference logprobs (when the KL term is on) at the batch's
@@ -299,6 +373,7 @@ class TrainActor(DurableState):
             with_entropy=with_entropy,
             entropy_grad=with_entropy and self.cfg.loss.entropy_coef > 0,
             packed=self.cfg.pack_sequences,
+            kernel=pick_kernel(self.cfg.logprob_kernel, self.device),
         )
 
     def _accumulate(

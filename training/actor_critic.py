@@ -2,7 +2,7 @@
 ``train.loss.advantage: gae`` (PPO) the critic's group beside it.
 
 ``train_group`` is the one place that chooses; ``ActorCriticGroup`` answers
-every call the steps make of a trainer (``tasks.steps``, ``tasks.engines``,
+every call the steps make of a trainer (``tasks.steps``, ``tasks.serving``,
 ``tasks.colocate``) by driving both groups, so the steps never know a critic
 exists:
 

@@ -1,31 +1,80 @@
 """What a train rank makes durable: checkpoints (save, load) and published HF
 versions, written at once or in the background (``training.background_save``).
 
-A mixin of ``TrainActor``: it uses the rank's model, optimizer, store and
-iteration, and ``_hf_state`` (the full state in HF names, which the megatron
-actor overrides). Imports no Prefect.
+``DurableState`` is a collaborator the train actor owns. It holds what the
+writes need of their own: the rank's place in the run (rank, world size, seed,
+run name), the weights settings, the store the actor opens per fence, one
+background writer for checkpoints and one for versions, and the reused host
+buffers they copy into. What belongs to the backend comes in as a ``RankState``
+of the actor's own callables (the megatron actor hands its gathers and its
+checkpoint format); the model and base directory of a publish come with the call.
+Never reads the actor, never decides when to save or which checkpoint to
+restore, and imports no Prefect.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import torch
+
 from training import checkpoint
+from training.background_save import CHECKPOINT_LOST, VERSION_LOST, BackgroundSaver
+from training.config import WeightsConfig
 from training.export import manifest_dict, write_hf_weights
+from training.host_staging import HostStaging
+
+
+@dataclass(frozen=True)
+class RankState:
+    """How the durable writes reach one rank's backend state (the actor's methods)."""
+
+    # Collective: the checkpoint's contents on rank 0, None elsewhere; (copy, staging),
+    # where copy means no tensor may share memory with the live state.
+    snapshot: Callable[[bool, HostStaging], dict | None]
+    # Load checkpoint k of the store into the model and optimizer; returns its meta.
+    restore: Callable[[Any, int], dict]
+    # What this backend adds to a checkpoint's meta.
+    meta: Callable[[], dict]
+    # Collective: the full state in HF names, tied output dropped; a background
+    # publish passes reused host buffers the backend may copy into.
+    hf_state: Callable[[HostStaging | None], dict[str, torch.Tensor]]
 
 
 class DurableState:
     """Checkpoints and published versions of one train rank (see module doc)."""
 
-    def load_checkpoint(self, k: int) -> int:
-        """Restore model, optimizer and RNG of checkpoint ``k`` (after init_from_base)."""
-        self._require_model()
-        meta = checkpoint.load(self.store(), k, self.model, self.optim)
-        self._iteration = int(meta["iteration"])
-        return self._iteration
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        seed: int,
+        run_name: str,
+        weights_cfg: WeightsConfig,
+        store: Callable[[int | None], Any],
+        state: RankState,
+    ) -> None:
+        self.rank, self.world_size, self.seed, self.run_name = rank, world_size, seed, run_name
+        self.weights_cfg = weights_cfg
+        self.store = store  # the run store under a fence (the caller's lease), per call
+        self.state = state
+        self._checkpoints = BackgroundSaver("checkpoint", CHECKPOINT_LOST)
+        self._versions = BackgroundSaver("weights version", VERSION_LOST)
+        # Host buffers a checkpoint's snapshot (and a background publish's weights) are
+        # copied into, reused by the next one once the last is written.
+        self._checkpoint_staging = HostStaging()
+        self._publish_staging = HostStaging()
 
-    def save_checkpoint(
+    def load(self, k: int) -> int:
+        """Restore model, optimizer and RNG of checkpoint ``k``; the iteration it holds."""
+        meta = self.state.restore(self.store(None), k)
+        return int(meta["iteration"])
+
+    def save(
         self,
         k: int,
         meta_extra: dict | None = None,
@@ -39,83 +88,77 @@ class DurableState:
         thread (``training.background_save``); the meta says so and carries the
         failures of earlier background writes as ``warnings``. ``fail_background``
         fails that write on purpose (fault injection)."""
-        self._require_at(k, "save_checkpoint")
-        warnings = self.wait_saved()  # one write in flight at a time
+        warnings = self.wait()  # one write in flight at a time
         store = self.store(fence)
         if k in store.committed_checkpoints():  # committed checkpoints are never rewritten
             return store.read_checkpoint_meta(k) if self.rank == 0 else None
         meta = {"iteration": k, "weights_version": k, "seed": self.seed, **(meta_extra or {})}
         meta["world_size"] = self.world_size
-        meta.update(self._checkpoint_meta())
-        snap = self._checkpoint_snapshot(copy=background)
+        meta.update(self.state.meta())
+        snap = self.state.snapshot(background, self._checkpoint_staging)
         if snap is None:
             return None
         if not background:
             return {**checkpoint.write(store, k, snap, meta), "warnings": warnings}
-        self._saver.start(k, lambda: checkpoint.write(store, k, snap, meta), fail_background)
+        self._checkpoints.start(k, lambda: checkpoint.write(store, k, snap, meta), fail_background)
         return {**meta, "background": True, "warnings": warnings}
 
-    def _checkpoint_snapshot(self, copy: bool) -> dict | None:
-        """Collective: the checkpoint's contents on rank 0 (the megatron actor gathers
-        its TP shards instead)."""
-        return checkpoint.snapshot(
-            self.model, self.optim, self.rank, copy=copy, staging=self._host_staging
-        )
-
-    def _checkpoint_meta(self) -> dict:
-        """What this backend adds to a checkpoint's meta."""
-        return {}
-
-    def wait_saved(self) -> list[str]:
+    def wait(self) -> list[str]:
         """Wait for the background checkpoint write in flight; failures since last asked."""
-        return self._saver.wait()
+        return self._checkpoints.wait()
 
-    def export_hf(
+    def publish(
         self,
         version: int,
         iteration: int,
         parent: int | None,
+        model: torch.nn.Module,
+        base_model_path: str,
         fence: int | None = None,
         background: bool = False,
     ) -> dict | None:
         """Collective. Rank 0 publishes ``weights/v{version}`` (fenced); returns a summary.
 
+        ``model``: the live model a background copy must share no memory with;
+        ``base_model_path``: where the config and tokenizer files come from.
         ``background``: the weights are copied to host memory now and written by a
         thread (for versions the engines receive in memory); the summary says so
         and carries the failures of earlier background publishes as ``warnings``."""
-        self._require_model()
-        warnings = self._publisher.wait()
+        warnings = self._versions.wait()
         store = self.store(fence)
         if version in store.committed_versions():  # a committed version is never rewritten
-            if self.rank != 0:
-                return None
-            manifest = manifest_dict(store.read_manifest(version))
-            names = [f["name"] for f in manifest["files"]]
-            return {
-                "version": version,
-                "iteration": manifest["iteration"],
-                "parent": manifest["parent"],
-                "files": names,
-                "manifest": manifest,
-                "shards": sum(n.endswith(".safetensors") for n in names),
-                "reused": True,
-            }
+            return self._committed(store, version) if self.rank == 0 else None
         # collective: every rank takes part in the gather; a background publish's
         # copy lands in reused host buffers (the previous one is written: waited above)
-        state = self._hf_state(self._publish_staging if background else None)
+        state = self.state.hf_state(self._publish_staging if background else None)
         if self.rank != 0:
             return None
-        if background:
-            state = checkpoint.host_copy(state, self.model)
-            target = (store, state, version, iteration, parent)
-            self._publisher.start(version, lambda: self._write_hf(*target))
-            return {
-                "version": version,
-                "iteration": iteration,
-                "background": True,
-                "warnings": warnings,
-            }
-        return {**self._write_hf(store, state, version, iteration, parent), "warnings": warnings}
+        if not background:
+            written = self._write_hf(store, state, version, iteration, parent, base_model_path)
+            return {**written, "warnings": warnings}
+        state = checkpoint.host_copy(state, model)
+        write = partial(self._write_hf, store, state, version, iteration, parent, base_model_path)
+        self._versions.start(version, write)
+        return {
+            "version": version,
+            "iteration": iteration,
+            "background": True,
+            "warnings": warnings,
+        }
+
+    def _committed(self, store: Any, version: int) -> dict:
+        """The summary of a version committed before (rank 0)."""
+        manifest = manifest_dict(store.read_manifest(version))
+        names = [f["name"] for f in manifest["files"]]
+        return {
+            "version": version,
+            "iteration": manifest["iteration"],
+            "parent": manifest["parent"],
+            "files": names,
+            "manifest": manifest,
+            "shards": sum(n.endswith(".safetensors") for n in names),
+            "reused": True,
+        }
 
     def _base_cache(self) -> str | None:
         """weights.base_cache_dir for this run (None: the store's default)."""
@@ -123,7 +166,13 @@ class DurableState:
         return None if d is None else os.path.join(d, self.run_name, "weights")
 
     def _write_hf(
-        self, store: Any, state: dict, version: int, iteration: int, parent: int | None
+        self,
+        store: Any,
+        state: dict,
+        version: int,
+        iteration: int,
+        parent: int | None,
+        base_model_path: str,
     ) -> dict:
         """Rank 0: write ``state`` as ``weights/v{version}`` and commit it (manifest last)."""
         # delta on: XOR against the newest full version within full_every (storage.delta)
@@ -131,7 +180,7 @@ class DurableState:
         writer = store.weights_writer(
             version, iteration, parent, full_every=every, base_cache_dir=self._base_cache()
         )
-        written = write_hf_weights(writer, state, self.weights_cfg.shard_size, self.base_model_path)
+        written = write_hf_weights(writer, state, self.weights_cfg.shard_size, base_model_path)
         manifest = manifest_dict(writer.commit())
         return {
             "version": version,

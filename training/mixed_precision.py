@@ -46,11 +46,16 @@ class ComputeCopy:
 
     def collect_grads(self) -> None:
         """Add the copy's gradients into the master's, in fp32, and free them."""
+        into, add = [], []  # one foreach kernel for the sums: hundreds of tensors
         for master, compute in self._pairs:
             if compute.grad is None:
                 continue
             if master.grad is None:
                 master.grad = compute.grad.to(master.dtype)
             else:
-                master.grad.add_(compute.grad)
+                into.append(master.grad)
+                add.append(compute.grad)
+        if into:
+            torch._foreach_add_(into, add)
+        for _, compute in self._pairs:
             compute.grad = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 from training.tiny_model import build_tokenizer
 
@@ -41,7 +41,7 @@ def write_qwen2_05b(out_dir: str | Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM._from_config(qwen2_05b_config(), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(qwen2_05b_config(), dtype=torch.bfloat16)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -1,28 +1,29 @@
-"""Trainer side of the in-memory weight transports (runs on every train rank).
+"""Trainer side of the ``tensor`` weight transport (runs on every train rank).
 
-Owns handing the full state to one engine actor:
-- ``tensor``, resident (``TensorPusher`` with a trainer that never sleeps):
-  one staging buffer for the whole model (``training.weight_staging``), one
-  flat tensor per dtype, registered once (a CUDA IPC handle on GPU, a
-  shared-memory segment on CPU) and refilled at each update; one signal per
-  update, which the engine answers from its cache of opened handles
+Owns handing the full state to one engine actor on the same host:
+- resident (``TensorPusher`` with a trainer that never sleeps): one staging
+  buffer for the whole model (``training.weight_staging``), one flat tensor
+  per dtype, registered once (a CUDA IPC handle on GPU, a shared-memory
+  segment on CPU) and refilled at each update; one signal per update, which
+  the engine answers from its cache of opened handles
   (``engines.embedded.weight_cache``). The signal is a line on the engine's Unix socket
   (``wire.update_socket``) when a single-rank engine offers one, else a Ray
   call; the first update to an engine goes over Ray in full. The layout is
   learnt from the first push, which streams. An engine that does not hold the
   key (restarted) answers ``cache_miss`` and gets the handle again in full.
-- ``tensor``, streamed (colocated ranks, which sleep between pushes and so
-  keep no second copy of the model): buckets of at most ``bucket_bytes``,
-  flattened per dtype (``wire.flat_bucket``), one handle and one call per
-  bucket; the producer frees each bucket after the engine's reply.
+- streamed (colocated ranks, which sleep between pushes and so keep no second
+  copy of the model, and every push into SGLang): buckets of at most
+  ``bucket_bytes``, flattened per dtype (``wire.flat_bucket``), one handle and
+  one call per bucket; the producer frees each bucket after the engine's reply.
   An engine spanning several ranks gets one handle per rank (rank j loads
   handle j): train rank ``j % world`` makes engine rank j's handle on its own
   device, and the handles are gathered to train rank 0 over gloo (slime's
   ``UpdateWeightFromTensor``), which calls the engine and broadcasts the outcome.
-- ``distributed``: broadcast from trainer rank 0 (``training.broadcast_sender``).
-The weight version is set by the call carrying the last bucket. Never decides
-which version to send and never gathers shards itself (the caller iterates
-full tensors on every rank).
+The weight version is set by the call carrying the last bucket. Which transport
+a push takes, and the gloo group, are ``training.weight_pusher``'s; the
+``distributed`` transport is ``training.broadcast_sender``. Never decides which
+version to send and never gathers shards itself (the caller iterates full
+tensors on every rank).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import time
 import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -39,7 +39,6 @@ import ray
 import torch
 import torch.distributed as dist
 
-from training.broadcast_sender import BroadcastSender
 from training.update_signal import EngineSignals
 from training.weight_staging import Layout, Staging, has_room, segment_path
 from wire.flat_bucket import FlatBucket, flatten, iter_buckets
@@ -340,54 +339,3 @@ def send_streamed(
         nbytes += sum(b.flat.numel() * b.flat.element_size() for b in flats)
         nbuckets += 1
     return {"bytes": nbytes, "buckets": nbuckets} if gather.rank == 0 else None
-
-
-def _gloo_group(actor: Any) -> Any:
-    """A gloo group over all train ranks (the handles of a tensor push travel on it
-    even when training runs NCCL); None with one rank. Made once, collectively."""
-    if actor.world_size == 1:
-        return None
-    if getattr(actor, "_gloo", None) is None:
-        actor._gloo = dist.new_group(backend="gloo")
-    return actor._gloo
-
-
-def push_from_rank(
-    actor: Any, engine: Any, transport: str, bucket_bytes: int, flush_cache: bool, group_name: str
-) -> dict[str, Any] | None:
-    """A train rank's part of ``TrainActor.push_weights``: the state it holds
-    (``actor._push_tensors()``) to ``engine`` as version ``actor.iteration()``.
-    Collective; rank 0 returns the summary."""
-    from actors.device_memory import has_slept
-
-    version = actor.iteration()
-    named = actor._push_tensors()
-    t0 = time.perf_counter()
-    if transport == "tensor":
-        if getattr(actor, "_pusher", None) is None:
-            actor._pusher = TensorPusher(actor.device)
-        ranks, wire = actor._pusher.engine_profile(engine)
-        gather = HandleGather(actor.rank, actor.world_size, ranks, _gloo_group(actor))
-        # A rank that sleeps (colocated) keeps no second copy of the model: it streams;
-        # so does a push into SGLang, which opens the handles afresh each time.
-        resident = not has_slept(actor) and wire != "sglang"
-        model = actor._bindable_model()  # a single rank's weights become the staging buffer
-        out = actor._pusher.push(
-            engine, named, version, bucket_bytes, flush_cache, gather, resident, model, wire
-        )
-    elif transport == "distributed":
-        if actor.rank != 0:
-            for _ in named:  # join each all-gather; only rank 0 sends
-                pass
-            return None
-        if getattr(actor, "_broadcast", None) is None:
-            actor._broadcast = BroadcastSender()
-        backend = "nccl" if actor.device.type == "cuda" else "gloo"
-        out = actor._broadcast.send(
-            engine, named, version, bucket_bytes, flush_cache, group_name, backend
-        )
-    else:
-        raise ValueError(f"transport={transport!r}: push_weights does 'tensor' or 'distributed'")
-    if out is None:
-        return None
-    return {"version": version, "transport": transport, "s": time.perf_counter() - t0, **out}

@@ -58,7 +58,7 @@ def decode_handle(text: str) -> dict[str, Any]:
 
 
 def shm_dirs() -> tuple[str, ...]:
-    """Where producers put shared-memory segments (``training.weight_sender._shm_dir``)."""
+    """Where producers put shared-memory segments (``training.weight_staging.shm_dir``)."""
     return tuple({os.path.realpath(d) for d in ("/dev/shm", tempfile.gettempdir())})
 
 

@@ -9,12 +9,14 @@ Owns which files a load opens and what it trusts in them:
   WeightPathError;
 - when the directory holds ``manifest.json`` (``storage`` writes it last into
   every version folder and every pulled cache folder), every file it lists
-  must match its size and sha256: each shard is mapped, hashed over the
-  mapping and then copied into the model from the same pages (so one read
-  from disk), the small rest (config, tokenizer) hashed on its own; a
-  mismatch or a shard missing from the manifest is WeightIntegrityError and
-  nothing is loaded. A directory without a manifest (a plain HF dir, e.g. the
-  base model) loads unverified, as HF would load it;
+  must match its size and hashes (its tree's chunk hashes on every core,
+  ``storage.tree``; the sha256 for an entry written before trees): each shard
+  is mapped, hashed over the mapping and then copied into the model from the
+  same pages (so one read from disk), the small rest (config, tokenizer)
+  hashed on its own; a mismatch (naming the chunk) or a shard missing from
+  the manifest is WeightIntegrityError and nothing is loaded. A directory
+  without a manifest (a plain HF dir, e.g. the base model) loads unverified,
+  as HF would load it;
 - the safetensors layout (8-byte header length, JSON header, raw bytes) is
   parsed here with every offset checked, so a truncated or garbled shard is a
   WeightLoadError naming the file, never a crash inside a reader library.
@@ -36,6 +38,7 @@ import torch
 
 from engines.security import confine
 from engines.weights import INDEX_NAME, SINGLE_NAME, shard_names
+from storage import tree
 from storage.errors import ManifestError
 from storage.layout import MANIFEST
 from storage.manifests import parse_manifest
@@ -129,18 +132,25 @@ class _Dir:
             if size == 0:
                 return torch.empty(0, dtype=torch.uint8)
             mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-        if entry is not None:
+        if entry is not None and entry.tree is not None:
+            _check_tree(
+                name, tree.problem(entry, tree.buffer_digests(memoryview(mm), entry.tree.chunk))
+            )
+        elif entry is not None:
             _check_sha(name, hashlib.sha256(mm).hexdigest(), entry)
         return torch.frombuffer(mm, dtype=torch.uint8)  # keeps the mapping alive
 
     def verify_rest(self, done: set[str]) -> None:
-        """Size and sha256 of every manifest file not read (and so not checked) yet."""
+        """Size and hashes of every manifest file not read (and so not checked) yet."""
         for name, entry in sorted((self.entries or {}).items()):
             if name in done:
                 continue
             f, size = self.open(name)
             with f:
                 _check_size(name, size, entry)
+                if entry.tree is not None:
+                    _check_tree(name, tree.check_fd(f.fileno(), size, entry))
+                    continue
                 buf = bytearray(min(size, READ_CHUNK))
                 sha = hashlib.sha256()
                 while n := f.readinto(buf):
@@ -154,6 +164,11 @@ def _check_size(name: str, size: int, entry: FileEntry | None) -> None:
             f"size mismatch in {name}: {size} bytes, manifest.json says {entry.bytes} "
             f"(truncated or corrupt); {FIX}"
         )
+
+
+def _check_tree(name: str, problem: str | None) -> None:
+    if problem is not None:
+        raise WeightIntegrityError(f"hash mismatch in {name}: {problem}; {FIX}")
 
 
 def _check_sha(name: str, sha: str | None, entry: FileEntry | None) -> None:

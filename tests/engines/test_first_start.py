@@ -1,5 +1,5 @@
 """A new run's first start reads as a start, not a fault: the reload step finds
-engine 0 not alive and starts it (``tasks.engines.disk_engine_serves``), which
+engine 0 not alive and starts it (``tasks.serving.transports.disk_engine_serves``), which
 logs INFO "starting" and no WARNING. A restart after a kill still warns
 (``test_engine_group.py::test_engine_killed_mid_rollout_is_restarted``)."""
 
@@ -9,8 +9,8 @@ import logging
 
 from flows.config import load_config
 from tasks.context import RunContext
-from tasks.engines import disk_engine_serves
 from tasks.prepare import publish_base
+from tasks.serving.transports import disk_engine_serves
 
 
 def test_a_first_engine_start_logs_starting_and_no_warning(

@@ -208,7 +208,7 @@ def test_update_weights_and_version(client, tiny_dir, tiny_v1, broken_dir, kind)
 
 def test_weight_update_session_brackets_an_update(client, tiny_dir):
     """``/begin_weight_update`` .. ``/end_weight_update`` (SGLang 0.5.23; 0.5.17 has none,
-    and the push then goes without: ``tasks.engine_control._begin_update_session``)."""
+    and the push then goes without: ``tasks.serving.engine._begin_update_session``)."""
     try:
         client.begin_weight_update()
     except EngineHTTPError as e:

@@ -105,14 +105,14 @@ def test_index_naming_files_outside_is_refused(client, root, outside, how):
     assert "plain file names" in msg
 
 
-def test_flipped_byte_is_refused_by_its_sha256(client, root):
+def test_flipped_byte_is_refused_by_its_chunk_hash(client, root):
     d = _copy(root, "flipped")
     shard = d / _shard(d)
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0x01  # one bit of one weight
     shard.write_bytes(data)
     msg = _refused(client, d, 400)
-    assert f"sha256 mismatch in {shard.name}" in msg and "republish or re-pull" in msg
+    assert f"hash mismatch in {shard.name}: chunk 0 of 1" in msg and "republish or re-pull" in msg
 
 
 def test_manifest_with_wrong_hashes_is_refused(client, root):
@@ -121,7 +121,7 @@ def test_manifest_with_wrong_hashes_is_refused(client, root):
     for f in m["files"]:
         f["sha256"] = "0" * 64
     (d / "manifest.json").write_text(json.dumps(m))
-    assert "sha256 mismatch" in _refused(client, d, 400)
+    assert "hash mismatch" in _refused(client, d, 400)  # the tree's root binds the sha256
 
 
 def test_truncated_shard_is_refused_with_a_message(client, root):
@@ -149,7 +149,7 @@ def test_engine_start_from_a_corrupt_version_is_refused(root):
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x80
     shard.write_bytes(data)
-    with pytest.raises(WeightIntegrityError, match="sha256 mismatch"):
+    with pytest.raises(WeightIntegrityError, match="hash mismatch"):
         EmbeddedEngine(str(d), 0, EngineConfig())
 
 
@@ -167,14 +167,14 @@ def test_ranks_of_a_two_rank_engine_verify_too(ray_cluster, root, tiny_dir, run_
     try:
         h = group.handle(0)
         res = ray.get(h.update_weights_from_disk.remote(str(d), "1"))
-        assert not res["success"] and "sha256 mismatch" in res["message"]
+        assert not res["success"] and "hash mismatch" in res["message"]
         assert ray.get(h.get_weight_version.remote()) == "0"
 
         def stage_on_rank_1(engine, path):  # what rank 1 finds when it reads the dir itself
             return ray.get(engine._ranks.peers[0].stage_from_disk.remote(path))
 
         err = ray.get(h.__ray_call__.remote(stage_on_rank_1, str(d)))
-        assert err is not None and err.startswith("rank 1") and "sha256 mismatch" in err
+        assert err is not None and err.startswith("rank 1") and "hash mismatch" in err
         ok = ray.get(h.update_weights_from_disk.remote(str(root / "weights" / "v000001"), "1"))
         assert ok["success"], ok["message"]
     finally:

@@ -124,7 +124,7 @@ def broadcast_groups(trainer_rank0: Any, engine: Any) -> tuple[list[str], list[s
     on GPUs): trainer rank 0's, then the engine's rank 0's."""
 
     def sender(actor: Any) -> list[str]:
-        return [type(pg).__name__ for pg in actor._broadcast.groups.values()]
+        return [type(pg).__name__ for pg in actor.pusher.broadcast.groups.values()]
 
     def receiver(actor: Any) -> list[str]:
         return [type(pg).__name__ for pg in getattr(actor, "_groups", {}).values()]
@@ -158,7 +158,7 @@ def check_pushed_equals_published(ctx: Any, engine_id: int, version: int) -> str
     """The bytes engine ``engine_id`` holds after the last push equal a disk reload
     of the same published version; returns their sha256."""
     from tasks import colocate
-    from tasks.engines import engine_weights
+    from tasks.serving.transports import engine_weights
 
     group = ctx.engines()
     colocate.wake_engine(ctx, engine_id)  # colocated: the last turn may have been the trainer's

@@ -47,6 +47,7 @@ TRAINER_KEYS = {
     "train.max_tokens_per_micro_batch",
     "train.pack_sequences",
     "train.compute_dtype",
+    "train.logprob_kernel",
     "train.mismatch.max_kl",
     "train.mismatch.on_exceed",
     "train.loss.kind",
@@ -86,10 +87,10 @@ ELSEWHERE = {
     "train.release_after_publish": "tasks/steps.py",
     "model.path": "tasks/prepare.py",  # resolved once into RunContext.base_model_path
     "model.warm_start": "tasks/prepare.py",  # builds the tiny base RunContext points at
-    "weights.transport": "tasks/engines.py",  # passed to TrainGroup.push_weights
-    "weights.bucket_bytes": "tasks/engine_control.py",  # passed to TrainGroup.push_weights
+    "weights.transport": "tasks/serving/transports.py",  # passed to TrainGroup.push_weights
+    "weights.bucket_bytes": "tasks/serving/engine.py",  # passed to TrainGroup.push_weights
     "weights.publish_interval": "tasks/steps.py",
-    "weights.flush_cache_interval": "tasks/engine_control.py",
+    "weights.flush_cache_interval": "tasks/serving/engine.py",
     # tracking.*: the tracker module reads them when the finish step logs a row.
     "tracking.tensorboard.enabled": "tasks/tracking.py",
     "tracking.tensorboard.log_dir": "tasks/tracking.py",
@@ -99,7 +100,7 @@ ELSEWHERE = {
     "tracking.wandb.enabled": "tasks/tracking.py",
     "tracking.wandb.project": "tasks/tracking.py",
     "tracking.wandb.dir": "tasks/tracking.py",
-    # eval.*: the evaluate step (tasks/evaluation.py) hands the section to its scorer.
+    # eval.*: the evaluate step (tasks/evaluation/step.py) hands the section to its scorer.
     "eval.interval": "rollout/evaluation.py",
     "eval.dataset": "rollout/evaluation.py",
     "eval.size": "rollout/evaluation.py",
@@ -216,8 +217,8 @@ def test_named_module_reads_the_key(key):
 
 # rollout.* is not walked whole yet; these keys name the module that reads them.
 ROLLOUT_KEYS = {
-    "rollout.max_staleness": "tasks/rollout_versions.py",
-    "rollout.partial": "tasks/rollout_versions.py",
+    "rollout.max_staleness": "tasks/rollouts/versions.py",
+    "rollout.partial": "tasks/rollouts/versions.py",
     "rollout.partial_chunk": "rollout/config.py",  # RolloutConfig.head_tokens, read by rollout/partial.py
 }
 

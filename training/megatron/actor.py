@@ -4,10 +4,11 @@ A ``TrainActor`` whose model is a megatron-core ``GPTModel`` (local spec, bf16
 through ``Float16Module``) behind ``HFView``, so old/reference logprobs,
 ``score``, ``offload``/``onload`` and the shared GRPO loss are inherited
 unchanged. What differs: process groups (``parallel_state``), weight loading
-and export (through ``convert``), checkpoints (``training.megatron.checkpoint``)
-and the step, which slices data by the *data-parallel* rank (TP peers see the
-same rows), all-reduces gradients over the data-parallel group and clips with
-a norm that counts TP-sharded parameters across the TP group.
+and export (through ``convert``), checkpoints (``training.megatron.checkpoint``;
+export and checkpoints are the hooks the actor hands its ``DurableState``) and
+the step, which slices data by the *data-parallel* rank (TP peers see the same
+rows), all-reduces gradients over the data-parallel group and clips with a norm
+that counts TP-sharded parameters across the TP group.
 
 Optimizer: ``torch.optim.AdamW`` (fused, on the GPU), as the torch backend.
 Megatron's ``DistributedOptimizer`` needs its ``DistributedDataParallel``
@@ -104,13 +105,12 @@ class MegatronTrainActor(TrainActor):
         self._iteration = 0
         return 0
 
-    def load_checkpoint(self, k: int) -> int:
-        self._require_model()
-        meta = mcheckpoint.load(self.store(), k, self.model.gpt, self.optim)
-        self._iteration = int(meta["iteration"])
-        return self._iteration
+    # -- durable state (the hooks TrainActor hands its DurableState) -------
+    def _restore(self, store: Any, k: int) -> dict:
+        return mcheckpoint.load(store, k, self.model.gpt, self.optim)
 
-    def _checkpoint_snapshot(self, copy: bool) -> dict | None:
+    def _checkpoint_snapshot(self, copy: bool, staging: Any) -> dict | None:
+        # gathered and converted on rank 0 (``copy``: detached there); no reused host buffers
         return mcheckpoint.snapshot(self.model.gpt, self.optim, copy)
 
     def _checkpoint_meta(self) -> dict:
