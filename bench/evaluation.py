@@ -75,7 +75,7 @@ def _baseline(ctx, size: int, n: int, versions: list[int]) -> float:
     (its start and the reload between versions not counted)."""
     from engines.group import EngineGroup
     from rollout.evaluation import EvalConfig, evaluate
-    from tasks.engine_control import disk_reload
+    from tasks.serving.engine import disk_reload
 
     cfg = ctx.cfg
     engines = cfg.engines.model_copy(update={"num_engines": 1})

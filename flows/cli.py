@@ -10,6 +10,21 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tasks.config import RunConfig
 
+# What a command's processes start with unless the user's environment says otherwise.
+# Without PREFECT_API_URL, Prefect starts a temporary server on the first flow run,
+# and that server takes its settings from this process's environment: with analytics
+# on, it posts telemetry at start and, off the internet, logs "ERROR | Failed to send
+# telemetry" as the run's first line. Set before Prefect is imported, so this
+# process's own settings agree (scripts/run.sh exports the same). An environment
+# variable outranks a Prefect profile: to keep analytics on, export it as true.
+PREFECT_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+
+
+def set_prefect_defaults() -> None:
+    """Set each of ``PREFECT_DEFAULTS`` in the environment unless it is set there already."""
+    for name, value in PREFECT_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
 
 def _run(args: argparse.Namespace) -> int:
     from flows.config import ConfigError, load_config
@@ -20,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
         if cfg.ray.address is None:
             # Only the run's own local cluster, which binds loopback alone
             # (tasks.cluster.start_local_ray), goes without auth. A cluster at
-            # ray.address keeps the user's RAY_AUTH_MODE (token: see README).
+            # ray.address keeps the user's RAY_AUTH_MODE (token: docs/security.md).
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         from tasks.prepare import check_run
 
@@ -220,6 +235,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    set_prefect_defaults()  # before any command imports Prefect
     parser = argparse.ArgumentParser(prog="prefect-rl", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run (or continue) an RL training run")

@@ -9,7 +9,7 @@ each (version, shard) a task run on prefect-ray's RayTaskRunner.
                a local one, joined through ``tasks.cluster``; the RayTaskRunner
                is entered after that and uses the same connection (left to
                itself it would ``ray.init()`` Ray's stale "auto")
-    engines    the evaluation's own group (``tasks.eval_engines``), never the run's
+    engines    the evaluation's own group (``tasks.evaluation.engines``), never the run's
     per version, in order:
       load     every engine loads the version and is checked to serve it
                (one ``load_version`` task per engine, no CPU asked)
@@ -49,16 +49,17 @@ from prefect_ray.context import remote_options
 from pydantic import Field
 
 from flows.evaluation_report import publish_artifacts
+from flows.evaluation_tasks import evaluate_shard, load_version
 from flows.iteration import result_storage
 from flows.maintenance_flows import RunRef, open_run
 from flows.params import takes
 from rollout.evaluation import MAX_EVAL_SIZE
 from rollout.sharded_eval import ShardScore, version_scores
-from tasks import eval_engines, eval_record
 from tasks.cluster import connect_ray
 from tasks.context import RunContext
-from tasks.eval_plan import VERSIONS_HELP, EvalPlan, eval_settings, make_plan, select_versions
-from tasks.eval_shards import evaluate_shard, load_version
+from tasks.evaluation import engines as eval_engines
+from tasks.evaluation import record as eval_record
+from tasks.evaluation.plan import VERSIONS_HELP, EvalPlan, eval_settings, make_plan, select_versions
 
 
 class EvaluateParams(RunRef):

@@ -25,9 +25,9 @@ draws the shapes). The DAG is
 when what it waits for has succeeded, so a failed step leaves no task run
 waiting behind it. Every step gets the same cross-cutting concerns from
 ``tasks.runner.run``: ledger first, timing, its colocation turn, its
-fault-injection point, warnings, the commit. Prefect adds retries and the
-result cache (``{run}/{k}/{step}``) through ``_opts``; verify alone is never
-cached. The step's deadline (``tasks.timeout_s``) is enforced where it waits.
+fault-injection point, warnings, the commit. Each step's task is generated from
+its declaration (``flows.step_tasks``); Prefect adds retries and the result
+cache (``{run}/{k}/{step}``) through ``_opts``; verify alone is never cached. The step's deadline (``tasks.timeout_s``) is enforced where it waits.
 
 Steps drive Ray actors; they run on the flow's thread pool in the flow process
 (the Ray driver), not as Ray tasks: their work is on the actors already, and a
@@ -51,8 +51,9 @@ from typing import Any
 
 from prefect.utilities.annotations import quote
 
+from flows.step_tasks import TASKS
 from storage.fs import is_local, s3_settings
-from tasks import plan, rl_tasks, steps
+from tasks import plan, steps
 from tasks.context import RunContext
 
 
@@ -108,7 +109,7 @@ def _opts(ctx: RunContext, step: str, audit: bool):
     policy = ctx.cfg.tasks
     key = (ctx.store.url, policy.model_dump_json(), step)
     if key not in _optioned:
-        _optioned[key] = _with_policy(ctx, rl_tasks.TASKS[step], audit)
+        _optioned[key] = _with_policy(ctx, TASKS[step], audit)
     return _optioned[key]
 
 

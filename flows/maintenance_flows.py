@@ -25,12 +25,12 @@ from typing import Any
 from prefect import flow, get_run_logger, unmapped
 from pydantic import BaseModel, ConfigDict, Field
 
+from flows import maintenance_tasks
 from flows.config import RunConfig
 from flows.params import takes
 from flows.run_tags import tag_flow_run
 from storage.config import S3Options, StorageConfig
 from storage.run_store import RunStore
-from tasks import maintenance
 from tasks.context import RunContext
 from tasks.lease import LeaseKeeper
 from tasks.prepare import check_run, connect_ray, take_lease
@@ -39,7 +39,7 @@ LOCAL_ENGINES = (
     "run {run!r} uses a local Ray cluster (no ray.address): its engines end with the flow "
     "run that started them. To keep engines alive between flow runs, start a persistent "
     "cluster (ray start --head --port=6379 --num-cpus=8) and run with "
-    "ray.address=127.0.0.1:6379 (README, Run it from Prefect)"
+    "ray.address=127.0.0.1:6379 (docs/prefect.md, A persistent Ray cluster)"
 )
 
 
@@ -125,7 +125,7 @@ def publish_weights_flow(params: PublishParams) -> dict[str, Any]:
         return {"version": k, "url": ctx.store.version_url(k), "published": False}
     require_committed(ctx, "checkpoint", k, ctx.store.committed_checkpoints())
     with writing(ctx) as ctx:
-        out = maintenance.publish_checkpoint(ctx, k)
+        out = maintenance_tasks.publish_checkpoint(ctx, k)
     log.info(
         "published checkpoint %d of run %r as v%d: %s (%d files)",
         k,
@@ -147,8 +147,8 @@ def reload_engines_flow(params: ReloadParams) -> list[dict[str, Any]]:
     before = ctx.store.serving_versions()
     with writing(ctx) as ctx:
         engines = engine_ids(ctx)
-        points = maintenance.point_engine.map(unmapped(ctx), v, engines)
-        checks = maintenance.check_engine.map(unmapped(ctx), v, engines, upstream=points)
+        points = maintenance_tasks.point_engine.map(unmapped(ctx), v, engines)
+        checks = maintenance_tasks.check_engine.map(unmapped(ctx), v, engines, upstream=points)
         results = [c.result() for c in checks]
     for e in engines:
         log.info("engine %d of run %r serves v%d (was %s)", e, ctx.run_name, v, _v(before.get(e)))
@@ -180,9 +180,11 @@ def verify_engines_flow(params: RunRef) -> list[dict[str, Any]]:
             "it loads and serves it",
             LOCAL_ENGINES.format(run=ctx.run_name),
         )
-        started = [maintenance.start_engine.submit(ctx, serving[e], e) for e in engine_ids(ctx)]
+        started = [
+            maintenance_tasks.start_engine.submit(ctx, serving[e], e) for e in engine_ids(ctx)
+        ]
         [s.result() for s in started]
-    checks = [maintenance.check_engine.submit(ctx, serving[e], e) for e in engine_ids(ctx)]
+    checks = [maintenance_tasks.check_engine.submit(ctx, serving[e], e) for e in engine_ids(ctx)]
     results = [c.result() for c in checks]
     for e in engine_ids(ctx):
         log.info("engine %d of run %r serves v%d, as recorded", e, ctx.run_name, serving[e])
@@ -195,7 +197,7 @@ def gc_versions_flow(params: GcParams) -> dict[str, Any]:
     log = get_run_logger()
     ctx = open_run(params)
     with writing(ctx) as ctx:
-        report = maintenance.collect_garbage(ctx, params.keep_last)
+        report = maintenance_tasks.collect_garbage(ctx, params.keep_last)
     log.info(
         "run %r, keep_last=%d: deleted versions %s and checkpoints %s; kept versions %s and "
         "checkpoints %s",

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # No RAY_AUTH_MODE here: the CLI turns Ray's auth off only for the local cluster it
-# starts itself; a cluster at ray.address keeps the auth you gave it (README, Security).
+# starts itself; a cluster at ray.address keeps the auth you gave it (docs/security.md).
 export PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
 if [ $# -eq 0 ] || [[ "$1" == -* ]]; then
     set -- configs/tiny-cpu.yaml "$@"

@@ -112,7 +112,7 @@ def connect_ray(cfg: RunConfig) -> None:
             f"this process runs with RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', '(unset)')}. "
             "A cluster with token auth needs RAY_AUTH_MODE=token exported here too (an explicit "
             "address never turns it on by itself) and the cluster's token as ~/.ray/auth_token, "
-            "RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (README, Security)"
+            "RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (docs/security.md, Ray)"
         ) from None
     check_cpus(cfg, address)
     check_shared_root(cfg)

@@ -76,7 +76,7 @@ def wake_engine(ctx, engine_id: int) -> Memory | None:
 # The turns a step can declare (``tasks.runner.Step.turn``); the runner takes
 # the turn before the step's ``ready`` phase and again after it, since actors
 # that phase re-created start awake. Reload declares none: its transport
-# decides (``for_update``, push or not) inside ``tasks.engines``.
+# decides (``for_update``, push or not) inside ``tasks.serving.transports``.
 TURNS = {
     "rollout": lambda ctx, engine_id: for_rollout(ctx),
     "training": lambda ctx, engine_id: for_training(ctx),

@@ -3,13 +3,17 @@
 Set by the config's ``faults`` list or by
 ``PREFECT_RL_FAULT=step:k[:kind[:times]][,step:k...]``. Attempts are counted in
 the run's storage, so a fault heals after ``times`` attempts whichever process
-retries it, and a rerun of a SIGKILLed run does not fire it again.
+retries it, and a rerun of a SIGKILLed run does not fire it again. Kind
+``kill_actor`` kills the Ray actor a step drives (``kill_engine``,
+``kill_train_rank0``), as a real crash would.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+
+import ray
 
 from tasks.config import FaultSpec
 
@@ -79,3 +83,17 @@ def fire(ctx, fault: FaultSpec, kill=None) -> None:
         return
     os.kill(ctx.driver_pid, signal.SIGKILL)  # kind "sigkill": the flow process dies
     raise InjectedFault("the flow process was SIGKILLed")
+
+
+def kill_engine(group, engine_id: int) -> None:
+    """Kill engine ``engine_id``'s actor (no restart), if it has one."""
+    handle = group.handle(engine_id)
+    if handle is not None:
+        ray.kill(handle, no_restart=True)
+
+
+def kill_train_rank0(trainer) -> None:
+    """Kill the trainer's rank 0 actor (no restart), if it has ranks."""
+    actors = trainer.actors()
+    if actors:
+        ray.kill(actors[0], no_restart=True)

@@ -5,10 +5,10 @@ A taker judges a holder only by its renewals (``storage.lease``: lease.json
 unchanged for the TTL by the taker's own monotonic clock, never a comparison of
 wall clocks). So a holder must renew for as long as it holds the lease, also
 while it is still setting up: ``take_lease`` starts the renewals (``hold``) the
-moment the lease is taken, and the ``LeaseKeeper`` of the flow adopts them. A
-holder that writes run.json and publishes a large base model used to be silent
-for longer than the TTL, and a second ``prefect-rl run`` (whatever its clock)
-took a live run over.
+moment the lease is taken, and the ``LeaseKeeper`` of the flow adopts them:
+writing run.json and publishing a large base model can take longer than the
+TTL, and a holder silent that long would let a second ``prefect-rl run``
+(whatever its clock) take a live run over.
 
 If the holder dies, renewals stop and a new ``prefect-rl run`` takes over after
 the TTL without ``--force``. If another writer took the lease over (a renewal

@@ -14,7 +14,7 @@ from typing import Any
 from rollout.agent import tool_row_fields
 from rollout.dynamic_sampling import sampling_row_fields
 from rollout.evaluation import row_fields
-from tasks.rollout_versions import made_on
+from tasks.rollouts.versions import made_on
 from training.types import MISMATCH_METRICS
 
 BASE_EVAL = "evaluate_base"  # finish[1]'s input: the base model's evaluation (evaluate[0])

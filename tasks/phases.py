@@ -1,7 +1,7 @@
 """Seconds of the named parts of the running step (its ledger record's ``phases``).
 
 ``tasks.runner`` opens a step's clock (``step_clock``) around each step; a work
-function, or anything it calls on the same thread (``tasks.engines``' reload:
+function, or anything it calls on the same thread (``tasks.serving``' reload:
 pause, push, continue), marks a part with ``phase(name)``. Outside a step the
 marks cost a clock read and record nothing. A leaf of ``tasks``: it imports
 nothing of the package, so the modules below the runner can mark their parts.

@@ -11,7 +11,7 @@ training; reload[k] waits for it, because engines switch versions only between
 batches. Batches k+1..k+N-1 were made by the iterations before (iteration j-N
 makes batch j), so they are not in the plan: at most N batches wait on storage
 for the trainer. Which version generates which batch is a function of the
-config (``tasks.rollout_versions``), never of timing:
+config (``tasks.rollouts.versions``), never of timing:
 
     max_staleness 0                      max_staleness N (1..16)
 
@@ -26,7 +26,7 @@ config (``tasks.rollout_versions``), never of timing:
 The first iteration makes batches 1..1+N (all on v0). With ``eval.interval`` and
 ``eval.before_training`` it first evaluates the base model (``evaluate[0]``);
 its rollout[1] waits for that, and finish[1] writes its scores as eval_base_*. With ``rollout.partial``
-batch j > N is two nodes (``tasks.partial_rollout``) in two iterations: its head
+batch j > N is two nodes (``tasks.rollouts.partial``) in two iterations: its head
 (the first ``rollout.partial_chunk`` tokens of every sample) on v(j-1-N) beside
 train[j-N], and its rest on v(j-N) in iteration j-N+1, first on the engines,
 which serve v(j-N) from reload[j-N] until reload[j-N+1]. So iteration k, on
@@ -51,7 +51,7 @@ from typing import Any, Protocol
 from rollout.evaluation import due
 from tasks import steps
 from tasks.metrics_row import BASE_EVAL
-from tasks.rollout_versions import continue_source
+from tasks.rollouts.versions import continue_source
 from tasks.runner import Step
 
 

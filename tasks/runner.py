@@ -3,7 +3,7 @@
 A step of the iteration is a ``Step`` declaration (``tasks.steps``): its ledger
 key, its colocation turn, its fault-injection point and the kill target of that
 point, and its phases. ``run`` executes one, in this order, the same for the
-Prefect tasks (``tasks.rl_tasks``) and the plain driver (``flows.driver``):
+Prefect tasks (``flows.step_tasks``) and the plain driver (``flows.driver``):
 
     1. ledger first   a committed record of (k, key) is returned as it is
                       (``cached: True``); ``audit`` steps (verify) skip this
@@ -37,8 +37,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from tasks import colocate
-from tasks.engines import kill_engine, kill_train_rank0
-from tasks.faults import maybe_fail
+from tasks.faults import kill_engine, kill_train_rank0, maybe_fail
 from tasks.phases import phase, step_clock
 from tasks.types import StepResult
 
@@ -51,7 +50,7 @@ Work = Callable[..., Result]
 @dataclass(frozen=True)
 class Step:
     name: str  # ledger key; a per-engine step's key is f"{name}-e{engine_id}"
-    task: str  # Prefect task name (``tasks.rl_tasks``), shown in the UI
+    task: str  # Prefect task name (``flows.step_tasks``), shown in the UI
     work: Work  # work(ctx, k, engine_id, **inputs) -> result
     per_engine: bool = False  # mapped: one run per engine id
     fault: str | None = None  # the fault point ``faults: step`` targets; None: no point

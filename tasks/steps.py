@@ -18,15 +18,16 @@ from typing import Any
 from rollout.procedure import VersionMismatch, generate_batch, summary
 from rollout.types import RolloutBatch
 from tasks import faults, retention, runner, tracking
-from tasks.engines import ensure_engine_serves, kill_train_rank0, target_version, transport_for
-from tasks.evaluation import EVALUATE
+from tasks.evaluation.step import EVALUATE
 from tasks.metrics_row import metrics_row
-from tasks.partial_rollout import ROLLOUT_HEAD, continue_rollout, engines_serve, restarter
 from tasks.phases import phase
-from tasks.rollout_file import named_if_unusable
-from tasks.rollout_services import rollout_io
-from tasks.rollout_versions import continue_source, made_on, rollout_source
+from tasks.rollouts.partial import ROLLOUT_HEAD, continue_rollout, engines_serve, restarter
+from tasks.rollouts.services import rollout_io
+from tasks.rollouts.unusable import named_if_unusable
+from tasks.rollouts.versions import continue_source, made_on, rollout_source
 from tasks.runner import Step
+from tasks.serving.transports import ensure_engine_serves, target_version, transport_for
+from tasks.serving.verify import check_serves, now, rollout_version
 from tasks.types import (
     IterationRow,
     PublishResult,
@@ -36,7 +37,6 @@ from tasks.types import (
     TrainResult,
     VerifyRecord,
 )
-from tasks.verify import check_serves, now, rollout_version
 from training.types import mismatch_message
 
 __all__ = [
@@ -155,7 +155,7 @@ def _save(ctx, k: int, engine_id: int | None) -> Result:
     trainer = ctx.trainer()
     meta = trainer.save(k, background=background, fail_background=_fails_write(fault)) or {}
     if fault is not None and not _fails_write(fault):
-        faults.fire(ctx, fault, kill=lambda: kill_train_rank0(trainer))  # while it writes
+        faults.fire(ctx, fault, kill=lambda: faults.kill_train_rank0(trainer))  # while it writes
     out = {"saved": True, "background": background, "save_s": time.perf_counter() - t0}
     return {**out, "warnings": list(meta.get("warnings") or [])}
 
@@ -308,7 +308,7 @@ PUBLISH = Step(
     ready=_state(lambda k: k),
     result=PublishResult,
 )
-# Reload declares no turn: the transport decides it (``tasks.engines``).
+# Reload declares no turn: the transport decides it (``tasks.serving.transports``).
 RELOAD = Step(
     "reload",
     "reload_engine",

@@ -73,7 +73,7 @@ def run_deployment(stack, name: str, params: dict, check: bool = True):
 
 
 def run_maintenance(stack, name: str, check: bool = True, **params):
-    """As the README writes it: one ``--param key=value`` per parameter."""
+    """As docs/prefect.md writes it: one ``--param key=value`` per parameter."""
     flags = [arg for k, v in params.items() for arg in ("--param", f"{k}={v}")]
     args = ["deployment", "run", name, *flags, "--watch", "--watch-timeout", "900"]
     return stack.cli(*args, timeout=1000, check=check)

@@ -15,7 +15,8 @@ import ray
 from engines.config import EngineConfig
 from engines.embedded.weight_files import read_state_dict
 from engines.group import EngineGroup
-from training.weight_sender import BroadcastSender, ShmSegment
+from training.broadcast_sender import BroadcastSender
+from training.weight_sender import ShmSegment
 from wire.flat_bucket import flatten
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "stop_token_ids": []}

@@ -20,8 +20,8 @@ from ray.util.placement_group import placement_group_table
 from flows.config import load_config
 from storage.run_store import RunStore
 from tasks import lease as run_lease
-from tasks.engines import ensure_engine_serves
 from tasks.prepare import prepare_run
+from tasks.serving.transports import ensure_engine_serves
 
 CONFIG = "configs/tiny-cpu.yaml"
 TRAIN_CPUS, ENGINE_CPUS = 0.5, 0.25  # distinct, so a bundle's free CPUs tell who left it

@@ -171,7 +171,7 @@ def test_two_versions_in_shards_equal_one_process_and_a_failed_shard_is_retried_
 ):
     from flows.evaluation import evaluate_versions
     from storage import verify_dir
-    from tasks.eval_plan import evaluated_prompts
+    from tasks.evaluation.plan import evaluated_prompts
 
     ctx = eval_run
     objects = _run_objects(ctx)  # the versions, run.json, ledger: the evaluation reads them
@@ -197,7 +197,7 @@ def test_two_versions_in_shards_equal_one_process_and_a_failed_shard_is_retried_
 
     keys = ("pass_at_1_greedy", "pass_at_1", "pass_at_k")
     # The engines loaded verified pulls in the local cache (an s3 root: engines may
-    # load from nowhere else, tasks.engine_control.allowed_roots).
+    # load from nowhere else, tasks.serving.engine.allowed_roots).
     cache = f"{ctx.cfg.engines.local_cache_dir}/{ctx.run_name}/weights"
     for v in (1, 2):
         for name in ("config.json", "model.safetensors", "manifest.json"):

@@ -10,8 +10,8 @@ import pytest
 from flows.config import load_config
 from flows.driver import run_plain
 from tasks import steps
-from tasks.engines import engine_weights
 from tasks.prepare import prepare_run
+from tasks.serving.transports import engine_weights
 
 
 def tiny_cfg(tmp_path, name: str, **extra):

@@ -17,7 +17,7 @@ import pytest
 from flows.cli import main
 from flows.driver import run_plain
 from tasks import lease as run_lease
-from tasks.engines import expected_version
+from tasks.serving.versions import expected_version
 from tests.integration.test_run import tiny_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,7 +206,7 @@ def test_step_warnings_reach_the_task_run_log(prefect_api, tmp_path):
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
     from prefect.logging.handlers import APILogHandler
 
-    from tasks import rl_tasks
+    from flows.step_tasks import TASKS
     from tasks.context import RunContext
 
     # A fresh run name: Prefect's result cache (keyed {run}/{k}/{step}) outlives the session.
@@ -230,7 +230,7 @@ def test_step_warnings_reach_the_task_run_log(prefect_api, tmp_path):
     def run_train() -> str:
         from prefect.runtime import flow_run
 
-        rl_tasks.train(ctx, 1)
+        TASKS["train"](ctx, 1)
         return flow_run.id
 
     flow_run_id = run_train()

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from flows.config import load_config
 from flows.driver import run_plain
 from tasks import lease as run_lease
-from tasks.engines import kill_engine
+from tasks.faults import kill_engine
 from tasks.prepare import prepare_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]

@@ -21,8 +21,8 @@ from flows.config import load_config
 from tasks import lease as run_lease
 from tasks import steps
 from tasks.context import RunContext
-from tasks.engines import engine_weights, push_engine_serves
 from tasks.prepare import prepare_run
+from tasks.serving.transports import engine_weights, push_engine_serves
 
 CONFIG = "configs/tiny-cpu.yaml"
 # Each transport's iterations, and the versions committed after them: the durable

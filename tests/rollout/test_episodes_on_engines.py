@@ -1,5 +1,5 @@
 """Multi-turn episodes on real embedded engines over their SGLang HTTP API
-(``tasks.rollout_services.EngineTurns``): an engine killed mid-episode, and a
+(``tasks.rollouts.services.EngineTurns``): an engine killed mid-episode, and a
 prompt longer than the context, refused by the engine."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from engines.group import EngineGroup
 from rollout.config import RolloutConfig
 from rollout.failures import FailureLog
 from rollout.procedure import RolloutIO, generate_batch
-from tasks.rollout_services import EngineTurns
+from tasks.rollouts.services import EngineTurns
 from training.tiny_model import build_tokenizer
 
 TOK = build_tokenizer()

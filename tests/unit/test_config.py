@@ -87,7 +87,7 @@ def test_precision_settings_are_checked_at_load():
 
 
 def test_on_off_settings_take_yaml_booleans_and_words(tmp_path):
-    # YAML 1.1 reads a bare on/off as true/false: the README's `delta: on` must load.
+    # YAML 1.1 reads a bare on/off as true/false: the docs' `delta: on` must load.
     path = tmp_path / "delta.yaml"
     path.write_text("weights:\n  delta: on\n")
     assert load_config(str(path), {}).weights.delta == "on"

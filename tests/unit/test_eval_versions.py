@@ -13,7 +13,7 @@ import pytest
 from rollout.config import RolloutConfig
 from rollout.evaluation import EvalConfig, eval_prompts, evaluate
 from rollout.sharded_eval import ShardScore, score_shard, split, version_scores
-from tasks.eval_plan import VersionsError, select_versions
+from tasks.evaluation.plan import VersionsError, select_versions
 from tests.unit.test_dynamic_sampling import seeded_generate_groups
 from tests.unit.test_procedure import FakeTokenizer
 
@@ -64,7 +64,7 @@ def _key(
     from flows.config import load_config
     from rollout.sharded_eval import prompts_digest
     from tasks.context import RunContext
-    from tasks.eval_plan import EvalPlan, eval_settings
+    from tasks.evaluation.plan import EvalPlan, eval_settings
 
     cfg = load_config(config, {"run.name": "r", **over})
     prompts = eval_prompts(EvalConfig(size=6), cfg.rollout, cfg.run.seed)
@@ -118,7 +118,7 @@ def test_a_shard_cache_key_changes_with_whatever_can_change_its_numbers(tmp_path
 def test_a_records_logged_entries_that_do_not_read_count_as_never_logged():
     """evals/<label>.json edited by hand: its unreadable ``logged`` entries make the
     next evaluation log those versions again (a second point at worst), not fail."""
-    from tasks.eval_record import _logged
+    from tasks.evaluation.record import _logged
 
     record = {"logged": {"1": ["tensorboard"], "x": ["mlflow"], "2": "tensorboard", "3": [4]}}
     assert _logged(record) == {1: ["tensorboard"]}

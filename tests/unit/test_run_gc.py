@@ -4,7 +4,6 @@ gc-versions flow call): PPO's critic checkpoints follow the policy's keep_last."
 from __future__ import annotations
 
 from flows.config import load_config
-from tasks import maintenance
 from tasks.context import RunContext
 from training.critic_store import CriticStore
 
@@ -23,7 +22,7 @@ def test_gc_keeps_the_critics_last_checkpoints_as_the_policys(tmp_path):
     for k in (1, 2, 3):
         _checkpoint(ctx.store, k)
         _checkpoint(critic, k)
-    report = maintenance.collect_garbage.fn(ctx, keep_last=1)
+    report = ctx.gc(keep_last=1)
     assert ctx.store.committed_checkpoints() == critic.committed_checkpoints() == [3]
     assert report["deleted_checkpoints"] == report["critic"]["deleted_checkpoints"] == [1, 2]
 
@@ -35,7 +34,7 @@ def test_without_a_critic_gc_touches_no_critic_folder(tmp_path):
     )
     for k in (1, 2):
         _checkpoint(ctx.store, k)
-    report = maintenance.collect_garbage.fn(ctx, keep_last=1)
+    report = ctx.gc(keep_last=1)
     assert "critic" not in report and ctx.store.committed_checkpoints() == [2]
 
 

@@ -83,7 +83,8 @@ def test_per_engine_keys_and_audit_records(tmp_path):
 
 
 def test_the_iteration_is_declared_once():
-    from tasks import rl_tasks, steps
+    from flows.step_tasks import TASKS
+    from tasks import steps
 
     names = [s.name for s in steps.STEPS]
     assert names == [
@@ -96,7 +97,7 @@ def test_the_iteration_is_declared_once():
         "verify",
         "evaluate",
     ]
-    assert set(rl_tasks.TASKS) == {*names, "iteration"}
+    assert set(TASKS) == {*names, "iteration"}
     assert [s.name for s in steps.STEPS if s.per_engine] == ["reload", "verify"]
     assert [s.name for s in steps.STEPS if s.audit] == ["verify"]
     # every fault point of the e2e matrix is declared by exactly one step

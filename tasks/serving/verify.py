@@ -1,10 +1,11 @@
 """The one check that an engine serves the version it should, and its audit record.
 
-Used by the iteration's verify step (``tasks.steps``) and by the maintenance
-flows' ``check_engine`` (``tasks.maintenance``). The check itself is read-only;
-only the iteration's verify restarts a dead engine first, and commits what it
-saw as ``ledger/iter_k/verify-e{i}.json`` (rewritten on every pass: verify
-looks at what engines serve now, so its record is an audit, not a cache).
+Used by the iteration's verify step (``tasks.steps``), the maintenance flows'
+``check_engine`` (``flows.maintenance_tasks``) and the evaluation's engines
+(``tasks.evaluation.engines``). The check itself is read-only; only the
+iteration's verify restarts a dead engine first, and commits what it saw as
+``ledger/iter_k/verify-e{i}.json`` (rewritten on every pass: verify looks at
+what engines serve now, so its record is an audit, not a cache).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from rollout.procedure import VersionMismatch
-from tasks.engine_control import served_version
+from tasks.serving.engine import served_version
 
 __all__ = ["VersionMismatch", "check_serves", "now", "rollout_version"]
 

@@ -1,6 +1,8 @@
 """Prefect tasks of the maintenance flows: point one engine at a version, start
 one on a version, check one engine, publish a checkpoint, collect garbage.
-Mapped per engine like the iteration's reload and verify."""
+Mapped per engine like the iteration's reload and verify. Each wraps the work of
+``tasks.serving`` (or ``RunContext.gc``); none is cached: each looks at the
+run and its engines as they are now."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RunContext
-from tasks.engines import engine_weights, ensure_engine_serves
-from tasks.verify import check_serves
+from tasks.serving import versions
+from tasks.serving.transports import ensure_engine_serves, start_on
+from tasks.serving.verify import check_serves
 
 
 @task(
@@ -33,8 +36,7 @@ def point_engine(ctx: RunContext, version: int, engine_id: int) -> dict[str, Any
 )
 def start_engine(ctx: RunContext, version: int, engine_id: int) -> dict[str, Any]:
     """Start engine ``engine_id`` on ``version`` (read-only: no serving record written)."""
-    group = ctx.engines()
-    group.restart(engine_id, engine_weights(ctx, group, engine_id, version).path, version)
+    start_on(ctx, ctx.engines(), engine_id, version)
     return {"engine": engine_id, "version": version, "started": True}
 
 
@@ -46,7 +48,7 @@ def start_engine(ctx: RunContext, version: int, engine_id: int) -> dict[str, Any
 def check_engine(
     ctx: RunContext, version: int, engine_id: int, upstream: Any = None
 ) -> dict[str, Any]:
-    # The iteration's verify check (``tasks.verify``); read-only here, and no
+    # The iteration's verify check (``tasks.serving.verify``); read-only here, and no
     # audit record: the verify-engines flow holds no lease, so it cannot commit.
     check_serves(
         ctx,
@@ -66,22 +68,10 @@ def check_engine(
     retry_delay_seconds=[2, 5, 15],
 )
 def publish_checkpoint(ctx: RunContext, k: int) -> dict[str, Any]:
-    store = ctx.store
-    warnings: list[str] = []
-    if k not in store.committed_versions():
-        trainer = ctx.trainer()
-        warnings = list((trainer.ensure_state(k, ctx.base_model_path) or {}).get("warnings") or [])
-        trainer.export_hf(k, k, store.latest_version())
-    for warning in warnings:  # a corrupt checkpoint skipped: shown in the task run's log
+    out = versions.publish_checkpoint(ctx, k)
+    for warning in out.get("warnings") or []:  # a corrupt checkpoint skipped: in the run's log
         get_run_logger().warning("publish_checkpoint: %s", warning)
-    manifest = store.read_manifest(k)
-    out = {
-        "version": k,
-        "url": store.version_url(k),
-        "files": len(manifest.files),
-        "published": True,
-    }
-    return {**out, "warnings": warnings} if warnings else out
+    return out
 
 
 @task(

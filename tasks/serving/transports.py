@@ -1,8 +1,10 @@
-"""Ray glue between the steps and the engine group: which version engines must
-serve, where its files are, and bringing one engine to that version the run's
-transport's way (colocated: in the device state ``tasks.colocate`` defines for a
-weight update). Speaking to one engine (its client, the version it serves, an
-update bracketed by pause and continue) is ``tasks.engine_control``'s."""
+"""How weights reach the engines, chosen by ``weights.transport``, and bringing one
+engine to the version it must serve that way (colocated: in the device state
+``tasks.colocate`` defines for a weight update): where a version's files are on an
+engine's node, a dead engine restarted, a reload from disk or a push from the
+trainer. Speaking to one engine is ``tasks.serving.engine``'s and which version is
+published ``tasks.serving.versions``'; this module calls both, and neither calls it.
+"""
 
 from __future__ import annotations
 
@@ -10,92 +12,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import ray
-
 from tasks import colocate
-from tasks.engine_control import cache_dir, disk_reload, push_update, served_version
 from tasks.phases import phase
+from tasks.serving.engine import cache_dir, disk_reload, push_update, served_version
+from tasks.serving.versions import ensure_published, newest_published
 
 log = logging.getLogger("prefect_rl.engines")
-
-
-def expected_version(ctx, k: int) -> int:
-    """The version rollout k must be generated with: the newest one <= k-1 that
-    the ledger records as published (v0, the base model, is published by
-    prepare_run). Taken from the ledger, not from the listing of committed
-    versions: a published version whose manifest is missing or damaged is
-    republished (or refused), never silently replaced by an older one."""
-    v = newest_published(ctx, k - 1)
-    ensure_published(ctx, v)
-    return v
-
-
-def newest_published(ctx, k: int) -> int:
-    """The newest version <= k whose publish step the ledger records as published; 0 if none."""
-    for j in range(k, 0, -1):
-        record = ctx.store.read_record(j, "publish")
-        if record is not None and record["result"].get("published"):
-            return j
-    return 0
-
-
-def ensure_published(ctx, v: int) -> None:
-    """Make the version the ledger calls published readable again: republish it
-    (v0 from the base model, v >= 1 from trainer state v, rebuilt from a
-    checkpoint and the persisted rollouts), or fail naming the version and the fix.
-    A version damaged under a manifest that still reads (a shard cut short) is
-    discarded once state v is rebuilt, then published again."""
-    store = ctx.store
-    state = store.version_state(v)
-    if state == "committed":
-        return
-    why, url = store.version_problem(v), store.version_url(v)
-    # A writer never rewrites a manifest that reads (committed versions are immutable):
-    # such a version must be taken away before it can be published again.
-    in_place = _manifest_reads(store, v)
-    log.warning(
-        "weights v%d of run %r is %s (%s) although the ledger records it as published; republishing it",
-        v,
-        ctx.run_name,
-        state,
-        why,
-    )
-    try:
-        if v == 0:
-            from tasks.prepare import publish_base
-
-            if in_place:
-                store.discard_damaged_version(v)
-            publish_base(ctx)
-        else:
-            colocate.for_training(ctx)  # the trainer needs the devices to rebuild state v
-            trainer = ctx.trainer()
-            trainer.ensure_state(v, ctx.base_model_path)
-            if in_place:  # only now: had state v not been rebuilt, the folder stays as it was
-                store.discard_damaged_version(v)
-            trainer.export_hf(v, v, newest_published(ctx, v - 1))
-    except Exception as e:
-        raise RuntimeError(
-            f"weights v{v} of run {ctx.run_name!r} ({url}) is {state} ({why}) although the "
-            f"ledger records it as published, and republishing it from trainer state {v} "
-            f"failed ({e}); restore the version folder from a backup, or rerun once the cause "
-            "above is fixed"
-        ) from e
-    if store.version_state(v) != "committed":
-        raise RuntimeError(
-            f"weights v{v} of run {ctx.run_name!r} is still not committed after republishing it "
-            f"({store.version_problem(v)}); check storage at {url}"
-        )
-
-
-def _manifest_reads(store, v: int) -> bool:
-    from storage.errors import StorageError
-
-    try:
-        store.read_manifest(v)
-    except StorageError:
-        return False
-    return True
 
 
 class Transport:
@@ -118,9 +40,7 @@ class Transport:
 
     def revive(self, ctx, group, engine_id: int, v: int) -> None:
         """Restart the dead engine ``engine_id`` on version v."""
-        path = engine_weights(ctx, group, engine_id, v).path
-        with phase("start"):  # the engine's start, ready to serve
-            group.restart(engine_id, path, v)
+        start_on(ctx, group, engine_id, v)
 
 
 class DiskTransport(Transport):
@@ -158,11 +78,6 @@ def transport_for(ctx) -> Transport:
     if name not in TRANSPORTS:
         raise ValueError(f"weights.transport {name!r} is unknown; use one of {sorted(TRANSPORTS)}")
     return TRANSPORTS[name]
-
-
-def in_memory(ctx) -> bool:
-    """True when weights go from the trainer straight to the engines (tensor/distributed)."""
-    return transport_for(ctx).pushes
 
 
 def target_version(ctx, k: int) -> int:
@@ -207,10 +122,11 @@ def engine_weights(ctx, group, engine_id: int, v: int) -> Weights:
     return Weights(pulled["path"], pulled)
 
 
-def kill_engine(group, engine_id: int) -> None:
-    handle = group.handle(engine_id)
-    if handle is not None:
-        ray.kill(handle, no_restart=True)
+def start_on(ctx, group, engine_id: int, v: int) -> None:
+    """(Re)start engine ``engine_id`` on version v from its files; no serving record."""
+    path = engine_weights(ctx, group, engine_id, v).path
+    with phase("start"):  # the engine's start, ready to serve
+        group.restart(engine_id, path, v)
 
 
 def ensure_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool = False) -> Served:
@@ -257,9 +173,7 @@ def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) 
                 "engine %d is not alive; restarting it on v%d, then pushing v%d", engine_id, base, v
             )
         colocate.for_update(ctx, engine_id, push=False)  # room for the new engine
-        path = engine_weights(ctx, group, engine_id, base).path
-        with phase("start"):  # the engine's start, ready to serve
-            group.restart(engine_id, path, base)
+        start_on(ctx, group, engine_id, base)
         memory = colocate.wake_engine(ctx, engine_id)  # the new one's state
     push = None
     with phase("served"):
@@ -285,9 +199,3 @@ def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) 
     with phase("record"):
         ctx.store.record_serving(engine_id, v)
     return Served(memory, push=push)
-
-
-def kill_train_rank0(trainer) -> None:
-    actors = trainer.actors()
-    if actors:
-        ray.kill(actors[0], no_restart=True)

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from storage.fs import join, read_json, write_json
-from tasks.eval_plan import EvalPlan
+from tasks.evaluation.plan import EvalPlan
 from tasks.tracking import RunTrackers
 
 EVALS = "evals"

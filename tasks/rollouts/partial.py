@@ -1,6 +1,6 @@
 """Partial rollouts as steps (``rollout.partial``; the procedure is ``rollout.partial``).
 
-A batch k that two versions make (``rollout_versions.continue_source``) is two
+A batch k that two versions make (``tasks.rollouts.versions.continue_source``) is two
 plan nodes: ``rollout_head[k]`` (this module's step) generates every sample's
 first ``rollout.partial_chunk`` tokens on v(k-1-N) and persists them unscored as
 the ledger record ``rollout_head_batch``; ``rollout[k]`` (``tasks.steps``) waits
@@ -21,10 +21,10 @@ from rollout.partial import continue_batch, generate_head
 from rollout.procedure import Generated
 from rollout.types import RolloutBatch
 from tasks import colocate
-from tasks.engines import ensure_engine_serves, target_version, transport_for
-from tasks.rollout_services import rollout_io
-from tasks.rollout_versions import rollout_source
+from tasks.rollouts.services import rollout_io
+from tasks.rollouts.versions import rollout_source
 from tasks.runner import Step
+from tasks.serving.transports import ensure_engine_serves, target_version, transport_for
 from tasks.types import RolloutHeadResult
 
 __all__ = ["HEAD_RECORD", "ROLLOUT_HEAD", "continue_rollout", "engines_serve", "restarter"]

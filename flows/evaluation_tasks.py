@@ -8,7 +8,7 @@ GPUs; scoring is CPU work). A shard's result is persisted and cached under
 ``EvalPlan.shard_key`` (run, version and its manifest, prompts' digest, shard,
 ``EvalSettings``: sampling, reward, engines), so a rerun with the same parameters
 shows finished shards as Cached and runs only the rest; a failed shard is retried
-alone (``retries``). The work is ``tasks.eval_engines``; this module only wraps it.
+alone (``retries``). The work is ``tasks.evaluation.engines``; this module only wraps it.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.eval_engines import run_shard, serve_version
-from tasks.eval_plan import EvalPlan
+from tasks.evaluation.engines import run_shard, serve_version
+from tasks.evaluation.plan import EvalPlan
 
 
 @task(

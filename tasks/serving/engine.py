@@ -6,7 +6,9 @@ An engine continues with its allocator's cache kept unless it shares its devices
 with the trainer: SGLang's default (``torch_empty_cache``) hands every cached block
 back to the driver at each continue, and the next rollout allocates them again.
 
-Which version an engine must serve and by which transport is ``tasks.engines``'.
+Which version an engine must serve, and by which transport, is decided above
+this module (``tasks.serving.transports``), which calls it; it calls nothing of
+the package back.
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ from typing import Any
 
 from engines.group import EngineGroup
 from rollout.sharded_eval import ShardScore, score_shard
-from tasks.engine_control import disk_reload, served_version
-from tasks.engines import engine_weights
-from tasks.eval_plan import EvalPlan
-from tasks.rollout_services import rollout_io
-from tasks.verify import check_serves
+from tasks.evaluation.plan import EvalPlan
+from tasks.rollouts.services import rollout_io
+from tasks.serving.engine import disk_reload, served_version
+from tasks.serving.transports import engine_weights, start_on
+from tasks.serving.verify import check_serves
 
 log = logging.getLogger("prefect_rl.evaluation")
 
@@ -68,7 +68,7 @@ def run_shard(plan: EvalPlan, version: int, shard: int) -> ShardScore:
     ctx, group = plan.ctx, eval_group(plan)
 
     def restart(i: int) -> None:
-        group.restart(i, engine_weights(ctx, group, i, version).path, version)
+        start_on(ctx, group, i, version)
 
     s = plan.settings
     rollout = ctx.cfg.rollout

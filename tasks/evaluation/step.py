@@ -13,9 +13,9 @@ from typing import Any
 
 from rollout.evaluation import due, evaluate
 from tasks import colocate
-from tasks.engines import ensure_engine_serves, target_version, transport_for
-from tasks.rollout_services import rollout_io
+from tasks.rollouts.services import rollout_io
 from tasks.runner import Step
+from tasks.serving.transports import ensure_engine_serves, target_version, transport_for
 from tasks.types import EvalResult
 
 

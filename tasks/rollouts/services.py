@@ -36,7 +36,7 @@ from rollout.config import RolloutConfig
 from rollout.failures import EngineUnavailable, FailureLog, RequestRefused
 from rollout.procedure import RolloutIO
 from rollout.rewards import Scorer
-from tasks.engine_control import engine_client
+from tasks.serving.engine import engine_client
 
 log = logging.getLogger("prefect_rl.rollout")
 
