@@ -31,6 +31,9 @@ Contracts:
 - A train actor owns its collaborators and delegates to them: ``durable.DurableState``
   (checkpoints, published versions) and ``weight_pusher.WeightPusher`` (pushes).
   Each gets what it needs at construction or per call and never reads the actor.
+- ``train.lora`` trains peft adapters in place of the full model (``lora``): only
+  they are optimized, the KL reference is the base with adapters off, and every
+  published version, push and export holds the merged weights.
 - Losses/advantages are pure tensor functions (``losses.py``, ``advantages.py``),
   and so are the engine/trainer mismatch corrections (``correction.py``), which
   ``train.loss.rollout_correction`` turns on (off: the losses' numbers are unchanged).

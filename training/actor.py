@@ -3,10 +3,11 @@
 Owns what happens inside a rank: init from base weights, one GRPO step per
 iteration over persisted rollouts, and the rank's collaborators, to which its
 Ray-visible methods delegate: ``DurableState`` (``training.durable``: checkpoint
-save/load and HF export through the run store) and ``WeightPusher``
-(``training.weight_pusher``: pushes to engines). Each is handed what it needs
-at construction (the actor's backend hooks as a ``RankState``) or per call,
-and neither reads the actor. It is a plain class; ``training.group`` wraps it
+save/load and HF export through the run store), ``WeightPusher``
+(``training.weight_pusher``: pushes to engines) and ``DeviceMemory``
+(``actors.device_memory``: sleep and wake when colocated). Each is handed what
+it needs at construction (the actor's backend hooks as a ``RankState``) or per
+call, and none reads the actor. It is a plain class; ``training.group`` wraps it
 in Ray. Never generates rollouts, never chooses which checkpoint to restore
 and never imports Prefect.
 
@@ -23,9 +24,10 @@ from typing import Any
 
 import torch
 
+from actors.device_memory import DeviceMemory
 from rollout.types import RolloutBatch
 from training import backend_torch as bt
-from training import checkpoint
+from training import checkpoint, lora
 from training.algorithm import policy_loss
 from training.batch import build_train_batch, rank_micro_batches
 from training.config import RunIdentity, TrainerSections
@@ -84,6 +86,8 @@ class TrainActor:
         self.durable = DurableState(*place, self.weights_cfg, store=self.store, state=hooks)
         # Pushes of the held state to engines (weights.transport tensor / distributed).
         self.pusher = WeightPusher(self.rank, self.world_size, self.device)
+        # Sleep and wake of this rank's tensors when colocated with engines.
+        self.memory = DeviceMemory(self.device, "train")
 
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:
@@ -117,10 +121,12 @@ class TrainActor:
     def init_from_base(self, model_path: str) -> int:
         """Build model (+ frozen reference when kl_coef > 0) and AdamW from ``model_path``."""
         dtype, compute, n = self.model_cfg.dtype, self.sections.compute_dtype, self.world_size
-        self.model = bt.build_model(model_path, dtype, self.device, n, compute)
+        self.model = bt.build_model(
+            model_path, dtype, self.device, n, compute, lora=self.cfg.lora, seed=self.seed
+        )
         if n == 1 and compute != dtype:  # fp32 master weights, bf16 forward and backward
             self._compute = ComputeCopy(self.model, bt.DTYPES[compute])
-        if self.cfg.loss.kl_coef > 0:
+        if self.cfg.loss.kl_coef > 0 and self.cfg.lora is None:  # LoRA: the base, adapters off
             # Frozen: no master needed; it scores in the compute dtype, as the policy does.
             ref_dtype = compute if n == 1 else dtype
             self.ref_model = bt.build_model(model_path, ref_dtype, self.device, n, compute)
@@ -181,8 +187,6 @@ class TrainActor:
     ) -> dict | None:
         """Collective. Rank 0 sends the trainer state it holds to ``engine`` as weight
         version ``iteration`` over ``transport`` ('tensor' or 'distributed')."""
-        from actors.device_memory import has_slept
-
         self._require_model()
         return self.pusher.push(
             engine,
@@ -192,7 +196,7 @@ class TrainActor:
             bucket_bytes,
             flush_cache,
             group_name,
-            sleeps=has_slept(self),
+            sleeps=self.memory.has_slept,
             model=self._bindable_model(),
         )
 
@@ -215,35 +219,41 @@ class TrainActor:
         """The full state dict in HF names, tied output dropped (collective).
         ``staging``: an unsharded model's state is copied into these reused host
         buffers (a background publish's host copy, at the link's speed)."""
-        if staging is not None and not bt.is_sharded(self.model):
-            return staging.copy(drop_tied(self.model, bt.full_model_state(self.model, True)))
-        return drop_tied(self.model, bt.full_model_state(self.model))
+        on_device = staging is not None and not bt.is_sharded(self.model)
+        state = bt.full_model_state(self.model, on_device)
+        if self.cfg.lora is not None:  # engines serve full weights: the adapters merged
+            state = lora.merged_state(state, self.cfg.lora)
+        state = drop_tied(self.model, state)
+        return staging.copy(state) if on_device else state
 
     def _push_tensors(self) -> Any:
-        """(HF name, full tensor) pairs a push sends, one at a time; collective."""
+        """(HF name, full tensor) pairs a push sends, one at a time; collective. With
+        LoRA, the merged weights (gathered whole first: a merge needs W, A and B)."""
+        if self.cfg.lora is not None:
+            full = dict(bt.iter_full_tensors(self.model))
+            return iter(lora.merged_state(full, self.cfg.lora).items())
         return bt.iter_full_tensors(self.model)
 
     def _bindable_model(self) -> torch.nn.Module | None:
         """The model whose tensors a push's staging buffer may take over (one rank
-        holds full tensors with the pushed names); None when sharded."""
-        return None if bt.is_sharded(self.model) else self.model
+        holds full tensors with the pushed names); None when sharded, or when a push
+        sends merged LoRA weights, which no parameter holds."""
+        if bt.is_sharded(self.model) or self.cfg.lora is not None:
+            return None
+        return self.model
 
     def offload(self) -> dict[str, Any]:
         """Sleep: free the device memory of the weights, optimizer state and reference
         model for colocated engines (``actors.device_memory``: torch_memory_saver
         where installed, else moved to host memory; on CPU only the state changes).
         Idempotent; returns the memory report (``state``, ``mode``, bytes on device)."""
-        from actors.device_memory import actor_memory
-
-        return actor_memory(self, self.device, "train").sleep(
+        return self.memory.sleep(
             [self.model, self.ref_model, self._compute and self._compute.model], self.optim
         )
 
     def onload(self) -> dict[str, Any]:
         """Wake: undo ``offload``, contents unchanged; a rank that never slept is awake."""
-        from actors.device_memory import actor_memory
-
-        return actor_memory(self, self.device, "train").wake(
+        return self.memory.wake(
             [self.model, self.ref_model, self._compute and self._compute.model], self.optim
         )
 
@@ -348,7 +358,8 @@ class TrainActor:
             # what the training forward computes (``_accumulate`` detaches it), and a
             # forward pass of its own would only repeat it (a quarter of a CPU step).
             old = [None] * len(mbs)
-        if self.ref_model is None and not behaviour:
+        with_ref = self.cfg.loss.kl_coef > 0
+        if not with_ref and not behaviour:
             return old, ref
         self.model.eval()
         with torch.no_grad():
@@ -356,9 +367,17 @@ class TrainActor:
                 mb = self._to_device(mb)
                 if behaviour:
                     old.append(mb.rollout_logprobs)
-                if self.ref_model is not None:
-                    ref.append(self._logprobs(self.ref_model, mb, temperature)[0])
+                if with_ref:
+                    ref.append(self._kl_reference(mb, temperature))
         return old, ref
+
+    def _kl_reference(self, mb: Any, temperature: float) -> torch.Tensor:
+        """The KL reference's logprobs: the frozen base model, or with LoRA the policy
+        with its adapters off (the base, without a second copy)."""
+        if self.ref_model is not None:
+            return self._logprobs(self.ref_model, mb, temperature)[0]
+        with lora.adapters_disabled(self._policy()) as base:
+            return self._logprobs(base, mb, temperature)[0]
 
     def _logprobs(
         self, model: torch.nn.Module, mb: Any, temperature: float, with_entropy: bool = False

@@ -26,7 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoModelForCausalLM
 
+from training.config import LoraConfig
 from training.logprobs import Kernel, token_stats
+from training.lora import add_adapters
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # cpu_offload + full_state_dict: rank 0 gets CPU tensors, the other ranks get {}.
@@ -70,12 +72,12 @@ def set_determinism(device: torch.device) -> None:
 
 
 def adamw(model: nn.Module, lr: float, weight_decay: float, device: torch.device) -> Any:
-    """AdamW over ``model``'s parameters: fused on a GPU (one kernel for every
-    parameter); on CPU one parameter at a time (``foreach=False``), in a fixed order,
-    so a resumed run's bytes match."""
+    """AdamW over ``model``'s trainable parameters (all of them, or a LoRA model's
+    adapters): fused on a GPU (one kernel for every parameter); on CPU one parameter
+    at a time (``foreach=False``), in a fixed order, so a resumed run's bytes match."""
     fused = device.type == "cuda"
     return torch.optim.AdamW(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],
         lr=lr,
         weight_decay=weight_decay,
         fused=fused or None,
@@ -89,13 +91,18 @@ def build_model(
     device: torch.device,
     world_size: int,
     compute_dtype: str | None = None,
+    lora: LoraConfig | None = None,
+    seed: int = 0,
 ) -> nn.Module:
     """Load the HF causal LM at ``path`` with ``dtype`` weights; FSDP2-shard it when
     ``world_size`` > 1, each layer gathered in ``compute_dtype`` (one rank computes in
-    it on a ``training.mixed_precision.ComputeCopy`` instead)."""
+    it on a ``training.mixed_precision.ComputeCopy`` instead). ``lora``: adapters put
+    in before sharding (``training.lora.add_adapters``, drawn from ``seed``)."""
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=DTYPES[dtype], attn_implementation="sdpa"
     )
+    if lora is not None:
+        add_adapters(model, lora, seed)
     model.to(device)
     if world_size > 1:
         shard_model(model, device, world_size, compute_dtype)

@@ -232,6 +232,40 @@ class MismatchConfig(BaseModel):
     )
 
 
+class LoraConfig(BaseModel):
+    """LoRA adapters trained in place of the full model (``training.lora``); the
+    engines are sent the merged weights."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(16, ge=1, le=1024, description="The adapters' rank r")
+    alpha: float = Field(
+        32.0, gt=0, allow_inf_nan=False, description="Scale of the update: alpha / rank"
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        description="Last name part of each linear layer to adapt (Llama and Qwen: q_proj, "
+        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj); a name the model lacks "
+        "is refused at start with the model's linear layers named",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _plain_names(cls, v: list[str]) -> list[str]:
+        bad = [m for m in v if not m or "." in m or m != m.strip()]
+        if bad or len(set(v)) != len(v):
+            raise ValueError(
+                f"train.lora.target_modules {v!r}: give each module's last name part once "
+                "(e.g. q_proj), not a dotted path"
+            )
+        return v
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -291,6 +325,13 @@ class TrainConfig(BaseModel):
         description="After each publish, end the train ranks and free their devices; every "
         "iteration is checkpointed (written before its step ends) and the ranks restored from it",
     )
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train LoRA adapters (rank, alpha, dropout, target_modules) instead of "
+        "every weight: only the adapters in the optimizer, the reference model for KL is the "
+        "base with the adapters off; published versions hold the merged weights. None: "
+        "full fine-tuning",
+    )
     mismatch: MismatchConfig = MismatchConfig()
     loss: LossConfig = LossConfig()
     critic: CriticConfig = CriticConfig()
@@ -322,6 +363,11 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 "train.critic is only used by train.loss.advantage: gae (PPO); set it or "
                 "remove train.critic"
+            )
+        if self.lora is not None and self.backend != "torch":
+            raise ValueError(
+                f"train.lora needs backend: torch (peft adapters; the {self.backend} backend "
+                "trains every weight); set backend: torch or remove train.lora"
             )
         if self.pack_sequences and self.backend != "torch":
             raise ValueError(

@@ -38,11 +38,14 @@ class ComputeCopy:
             p.data = p.data.to(dtype)
         # parameters() visits a tied weight once, in the same order on both sides.
         self._pairs = list(zip(master.parameters(), self.model.parameters(), strict=True))
+        # Only what the optimizer changes needs copying again (a LoRA model's frozen
+        # base was cast once, above).
+        self._trained = [(m, c) for m, c in self._pairs if m.requires_grad]
 
     def refresh(self) -> None:
-        """Copy the master's weights in, cast (one kernel per tensor list)."""
+        """Copy the master's trained weights in, cast (one kernel per tensor list)."""
         with torch.no_grad():
-            torch._foreach_copy_([c for _, c in self._pairs], [m for m, _ in self._pairs])
+            torch._foreach_copy_([c for _, c in self._trained], [m for m, _ in self._trained])
 
     def collect_grads(self) -> None:
         """Add the copy's gradients into the master's, in fp32, and free them."""

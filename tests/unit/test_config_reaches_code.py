@@ -48,6 +48,7 @@ TRAINER_KEYS = {
     "train.pack_sequences",
     "train.compute_dtype",
     "train.logprob_kernel",
+    "train.lora",
     "train.mismatch.max_kl",
     "train.mismatch.on_exceed",
     "train.loss.kind",
@@ -162,6 +163,8 @@ def candidates(f: FieldInfo) -> list[Any]:
         values = list(typing.get_args(literal[0]))
     elif ann is bool:
         values = [not default]
+    elif any(isinstance(a, type) and issubclass(a, BaseModel) for a in typing.get_args(ann)):
+        values = [{"rank": 4}]  # an optional section (train.lora): set, with one key
     elif ann is int:
         values = [default + 1, default * 2]
     elif ann is float:
@@ -237,6 +240,8 @@ def test_trainer_key_reaches_the_ranks(key):
     cfg, value = non_default_config(key, schema_keys()[key])
     trainer = pickle.loads(pickle.dumps(RunContext(cfg, base_model_path="unused").trainer()))
     got = functools.reduce(getattr, key.split("."), trainer.sections)
+    if isinstance(got, BaseModel):  # an optional section, given as a mapping
+        got = got.model_dump(exclude_defaults=True)
     assert got == value != schema_keys()[key].default
 
 
