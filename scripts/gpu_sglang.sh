@@ -14,6 +14,7 @@
 #   bash scripts/gpu_sglang.sh smollm2   # SmolLM2 learning on SGLang (STALENESS, SEEDS)
 #   bash scripts/gpu_sglang.sh staleness # SmolLM2 at STALENESS="1 2" with TIS
 #   bash scripts/gpu_sglang.sh eval [JSON]  # evaluate-versions on 0.5B: embedded and SGLang
+#   bash scripts/gpu_sglang.sh peers     # TRL and verl beside the project on SmolLM2 (PEERS, .peerbundle/)
 #
 # Results go to $OUT (or bench/results when OUT is unset).
 set -uo pipefail
@@ -180,8 +181,68 @@ eval)
         grep --line-buffered -v "server_args\|Writing model\|Loading weights\|^\s*$" |
         tee "$OUT/evaluation_cuda.txt" | tail -40
     ;;
+peers)
+    # The project beside TRL and verl on configs/smollm2-gpu.yaml's task (bench/peers/):
+    # each name in PEERS (default "trl verl"; "project" runs bench.smollm2_learning) in
+    # turn, then the comparison of every result so far. Results stay in /tmp/peers while
+    # the machine is held, so one call per peer works (a call is 600 s at most:
+    # project ~4 min, trl ~2 min; verl is stopped at VERL_TIMEOUT_S, default 480 s).
+    # Needs `setup`, the SmolLM2 model (smollm2-import, run here if missing), `sglang`
+    # for verl, and the wheels of .peerbundle/ (bash bench/peers/bundle.sh), installed
+    # into /tmp/peersite once. ITERATIONS (default 20); TRL_SET="field=value ..." and
+    # VERL_SET="key=value ..." add overrides. Each lands in $OUT as peers_<name>.{json,txt}
+    # (verl's own output, its last 3000 lines, as peers_verl_log.txt).
+    [ -d ~/.cache/prefect-rl/smollm2-135m-instruct ] || bash "$0" smollm2-import || exit 1
+    if [ ! -f /tmp/peersite/.installed ]; then
+        # (verl and TransferQueue also ship top-level tests/ packages, which would shadow
+        # the project's own on this PYTHONPATH)
+        python3 -m pip install -q --no-index --no-deps --target /tmp/peersite .peerbundle/*.whl &&
+            rm -rf /tmp/peersite/tests /tmp/peersite/tutorial &&
+            touch /tmp/peersite/.installed || exit 1
+    fi
+    mkdir -p /tmp/peers
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    n=${ITERATIONS:-20}
+    noise="server_args\|Writing model\|Loading weights\|it/s]\|^\s*$"
+    for peer in ${PEERS:-trl verl}; do
+        case $peer in
+        project)
+            with_site configs/smollm2-gpu.yaml /tmp/smollm2-gpu.yaml
+            python3 -m bench.smollm2_learning --config /tmp/smollm2-gpu.yaml --iterations "$n" \
+                --out /tmp/peers/peers_project.json 2>&1 | stdbuf -oL tr "\r" "\n" |
+                grep -v "$noise" >/tmp/peers/peers_project.txt
+            ;;
+        trl)
+            sets=()
+            for kv in ${TRL_SET:-}; do sets+=(--trl "$kv"); done
+            PYTHONPATH=/tmp/peersite:$PYTHONPATH python3 -m bench.peers.trl_grpo \
+                --iterations "$n" "${sets[@]}" --out /tmp/peers/peers_trl.json 2>&1 |
+                stdbuf -oL tr "\r" "\n" | grep -v "$noise" >/tmp/peers/peers_trl.txt
+            ;;
+        verl)
+            sets=()
+            for kv in ${VERL_SET:-}; do sets+=(--verl "$kv"); done
+            PYTHONPATH=/tmp/peersite:$SITE:$PYTHONPATH python3 -m bench.peers.verl_grpo \
+                --iterations "$n" "${sets[@]}" --timeout "${VERL_TIMEOUT_S:-480}" \
+                --log /tmp/peers/verl_log.txt --out /tmp/peers/peers_verl.json 2>&1 |
+                grep -v "$noise" >/tmp/peers/peers_verl.txt
+            grep -v server_args /tmp/peers/verl_log.txt | tail -3000 >"$OUT/peers_verl_log.txt"
+            ;;
+        *)
+            echo "PEERS: unknown $peer (project, trl, verl)" >&2
+            exit 2
+            ;;
+        esac
+        tail -30 "/tmp/peers/peers_$peer.txt"
+        cp /tmp/peers/peers_"$peer".* "$OUT/" 2>/dev/null
+    done
+    project=/tmp/peers/peers_project.json
+    [ -f "$project" ] || project=bench/results/smollm2_gpu_s0_seed0.json
+    python3 -m bench.peers.compare "$project" $(ls /tmp/peers/peers_{trl,verl}.json 2>/dev/null) |
+        tee "$OUT/peers_compare.txt"
+    ;;
 *)
-    echo "usage: $0 setup|sglang|bench|test|smollm2|smollm2-import|staleness|eval" >&2
+    echo "usage: $0 setup|sglang|bench|test|smollm2|smollm2-import|staleness|eval|peers" >&2
     exit 2
     ;;
 esac

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -324,10 +325,21 @@ def pack_rows(
     return flat, positions.unsqueeze(0), keep[:-1]
 
 
-def full_model_state(model: nn.Module, device: bool = False) -> dict[str, torch.Tensor]:
+def full_model_state(
+    model: nn.Module, device: bool = False, trained_only: bool = False
+) -> dict[str, torch.Tensor]:
     """Full CPU state dict on rank 0 ({} elsewhere). Collective: call on every rank.
-    ``device``: an unsharded model's own tensors where they live, nothing copied."""
-    return get_model_state_dict(model, options=FULL if device else FULL_OFFLOADED)
+    ``device``: an unsharded model's own tensors where they live, nothing copied.
+    ``trained_only``: leave out the parameters nothing trains (a LoRA model's base)."""
+    options = FULL if device else FULL_OFFLOADED
+    if trained_only:
+        options = replace(options, ignore_frozen_params=True)
+    return get_model_state_dict(model, options=options)
+
+
+def frozen_names(model: nn.Module) -> set[str]:
+    """State-dict names of the parameters nothing trains (tied names included)."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -356,9 +368,11 @@ def load_full_state(
     optim: torch.optim.Optimizer,
     model_sd: dict[str, torch.Tensor],
     optim_sd: dict,
+    strict: bool = True,
 ) -> None:
-    """Load full state dicts that every rank holds; each rank keeps its own shard."""
-    set_model_state_dict(model, model_sd, options=FULL)
+    """Load full state dicts that every rank holds; each rank keeps its own shard.
+    ``strict=False``: ``model_sd`` may leave out parameters (a LoRA model's frozen base)."""
+    set_model_state_dict(model, model_sd, options=replace(FULL, strict=strict))
     set_optimizer_state_dict(model, optim, optim_sd, options=FULL)
 
 

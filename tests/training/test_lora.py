@@ -6,6 +6,7 @@ same bytes."""
 from __future__ import annotations
 
 import pytest
+import safetensors.torch
 import torch
 from pydantic import ValidationError
 from train_helpers import synthetic_batch
@@ -71,6 +72,10 @@ def test_a_restored_lora_run_takes_the_same_steps(tmp_path, tiny_model_dir):
     first.train_step(1)
     first.train_step(2)
     first.save_checkpoint(2)
+    # The checkpoint holds what training changed: the adapters, not the frozen base.
+    with first.store().open_checkpoint_file(2, "model.safetensors") as f:
+        saved = safetensors.torch.load(f.read())
+    assert saved and all("lora_" in name for name in saved)
     resumed = actor(tmp_path / "b", tiny_model_dir)
     assert resumed.load_checkpoint(2) == 2
     resumed.train_step(3)
