@@ -14,8 +14,11 @@ The same calls run on every device; what a sleep does depends on it:
   back inside the region, so from the next cycle on a sleep is a pause.
 - ``move`` (CUDA without it): ``.to("cpu")`` and back, then ``empty_cache``.
 
-Used by ``EmbeddedEngine.release/resume_memory_occupation`` and
-``TrainActor.offload/onload``. Pure torch; never imports Ray or Prefect.
+Each actor that takes turns owns one ``DeviceMemory``, made with the actor
+(``TrainActor``, ``EmbeddedEngine`` and each ``EngineRank`` hold it as
+``memory``): a new actor is awake. The mechanism is picked at the first sleep,
+wake or report, so an actor that never takes turns never loads
+torch_memory_saver. Pure torch; never imports Ray or Prefect.
 """
 
 from __future__ import annotations
@@ -30,22 +33,6 @@ import torch
 log = logging.getLogger(__name__)
 
 Mode = Literal["cpu", "move", "saver"]
-_ATTR = "_device_memory"
-
-
-def actor_memory(owner: object, device: torch.device, tag: str) -> DeviceMemory:
-    """The DeviceMemory of ``owner`` (an actor object), made on first use: an
-    actor that never slept is awake, which is how every new actor starts."""
-    mem = owner.__dict__.get(_ATTR)
-    if mem is None:
-        mem = owner.__dict__[_ATTR] = DeviceMemory(device, tag)
-    return mem
-
-
-def has_slept(owner: object) -> bool:
-    """Whether ``owner`` ever slept (a colocated actor): never makes a DeviceMemory."""
-    mem = owner.__dict__.get(_ATTR)
-    return mem is not None and mem.transitions > 0
 
 
 def _saver() -> Any | None:
@@ -67,19 +54,35 @@ def _saver() -> Any | None:
 
 
 class DeviceMemory:
-    """Awake/asleep state of one actor's tensors on ``device``; see the module docstring."""
+    """Awake/asleep state of one actor's tensors on ``device``; see the module docstring.
+    ``mode`` forces a mechanism; None picks it by device at first use."""
 
     def __init__(self, device: torch.device, tag: str, mode: Mode | None = None) -> None:
         self.device = device
         self.tag = tag  # the saver's region tag ("train", "weights")
         self.state: Literal["awake", "asleep"] = "awake"
         self.transitions = 0  # sleeps + wakes that changed the state
-        self._saver = _saver() if device.type == "cuda" and mode in (None, "saver") else None
-        if mode is None:
-            mode = "cpu" if device.type != "cuda" else ("saver" if self._saver else "move")
-        self.mode: Mode = mode
+        self._asked = mode
+        self._mode: Mode | None = None  # picked at first use
+        self._saver: Any | None = None
         self._in_region: set[int] = set()  # data_ptrs the saver's region allocated
         self._on_host = False  # tensors were moved to the host at the last sleep
+
+    @property
+    def mode(self) -> Mode:
+        """The mechanism (``cpu``, ``saver`` or ``move``), picked at first use."""
+        if self._mode is None:
+            cuda, asked = self.device.type == "cuda", self._asked
+            self._saver = _saver() if cuda and asked in (None, "saver") else None
+            if asked is None:
+                asked = "cpu" if not cuda else ("saver" if self._saver else "move")
+            self._mode = asked
+        return self._mode
+
+    @property
+    def has_slept(self) -> bool:
+        """Whether this actor ever slept (a colocated actor)."""
+        return self.transitions > 0
 
     def sleep(
         self, modules: list[torch.nn.Module | None], optim: torch.optim.Optimizer | None = None
@@ -94,7 +97,7 @@ class DeviceMemory:
                 if self._in_region:
                     raise
                 log.warning("torch_memory_saver unusable (%s); moving tensors to the host", e)
-                self.mode = "move"
+                self._mode = "move"
         if self.mode == "move":
             _move(modules, optim, torch.device("cpu"))
             torch.cuda.empty_cache()

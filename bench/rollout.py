@@ -166,8 +166,9 @@ def host_sampling_ms(engine: EmbeddedEngine, batch: int, repeats: int = 3) -> fl
     their device, one CPU generator per row drawing one uniform each.
     Random logits in the model's dtype on its device stand in for real ones.
     """
-    vocab = engine._model.config.vocab_size
-    logits = torch.randn(batch, vocab, device=engine._device, dtype=engine._model.dtype)
+    model, device = engine.served.model, engine.served.device
+    vocab = model.config.vocab_size
+    logits = torch.randn(batch, vocab, device=device, dtype=model.dtype)
     params = [SamplingParams.from_dict({"temperature": 1.0, "top_p": 1.0})] * batch
     gens = [make_generator(i) for i in range(batch)]
     times = []
@@ -183,7 +184,7 @@ def bench_batch(
 ) -> dict:
     """Time engine.generate against model.generate on one batch of prompts (and a real
     SGLang server of the same model, ``bench.sglang_side``, where given)."""
-    model, device = engine._model, engine._device  # the very same weights for the baseline
+    model, device = engine.served.model, engine.served.device  # the very same weights
     prompts = make_prompts(batch)
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
@@ -272,9 +273,10 @@ def bench_model(
         context_length=4096,
     )
     engine = EmbeddedEngine(str(path), 0, cfg)
-    if engine._device.type != device:
-        raise RuntimeError(f"engine picked {engine._device}, not {device}: is CUDA available?")
-    model = engine._model
+    picked = engine.served.device
+    if picked.type != device:
+        raise RuntimeError(f"engine picked {picked}, not {device}: is CUDA available?")
+    model = engine.served.model
     info = {
         "model": name,
         "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),

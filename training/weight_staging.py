@@ -104,9 +104,10 @@ class Layout:
         """An empty layout, and ``named`` passed through: the layout fills in as the
         caller streams it on (a push never holds more than its buckets for this)."""
         layout = cls([])
-        return layout, layout._recording(named)
+        return layout, layout.recording(named)
 
-    def _recording(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator:
+    def recording(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator:
+        """``named`` passed through, each tensor's slot appended to this layout as it passes."""
         # Two names alias (tied weights) only if the first tensor is still alive when
         # the second comes: a gathered or converted tensor freed after its bucket
         # leaves its address to the next allocation, which is not an alias.

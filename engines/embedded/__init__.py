@@ -4,7 +4,10 @@ For CPU runs and tests, and on a GPU where SGLang is not installed (SGLang
 generates 13-32x faster there: ``bench/results/rollout_sglang_cuda_h100.json``).
 
 Modules (this ``__init__`` imports nothing):
-- ``engine``: ``EmbeddedEngine`` (the actor: load, generate, reload, sleep/wake);
+- ``engine``: ``EmbeddedEngine`` (the actor: load, generate, reload, sleep/wake),
+  which owns its collaborators and delegates to them;
+- ``served_model`` (the model, its ranks, weight version and locks, shared by
+  the collaborators), ``tokens`` (EOS, padding, stop strings, text);
 - ``batching`` (its queue, decode worker, pausing, deadlines, liveness),
   ``decode`` (batched KV-cache decode loop), ``sampling`` (per-row seeded sampling);
 - ``engine_ranks`` + ``tensor_parallel``: an engine spanning several ranks;

@@ -1,4 +1,4 @@
-"""The embedded engine's request queue and decode worker (a mixin of EmbeddedEngine).
+"""The embedded engine's request queue and decode worker (``Batcher``, which the engine owns).
 
 Owns what happens between ``generate`` handing over checked rows and their
 results coming back: the queue, the one decode worker thread that drains it
@@ -21,8 +21,10 @@ Failure rules, so that one request never takes others down:
   waiting call fails with EngineDeadError, new calls fail at once, and
   ``decode_alive`` is False, which ``health_generate`` reports, so the engine
   group restarts the engine instead of sending it more work.
-Never validates requests (``EmbeddedEngine.generate`` does) and never loads
-weights.
+The batcher is handed the engine's ``ServedModel`` (model, ranks, weight
+version, step lock and the condition that guards its queue and the version)
+and ``Tokens`` at construction, and reads nothing else of the engine. Never
+validates requests (``EmbeddedEngine.generate`` does) and never loads weights.
 """
 
 from __future__ import annotations
@@ -33,16 +35,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import ray
 import torch
 
-from engines.embedded.decode import RETRACT, ModelRunner, Retract, Row, decode
-from engines.embedded.engine_ranks import TPRunner
+from engines.config import EngineConfig
+from engines.embedded.decode import RETRACT, Retract, Row, decode
+from engines.embedded.sampling import make_generator
+from engines.embedded.served_model import ServedModel
+from engines.embedded.tokens import Tokens
 from engines.types import EngineDeadError, GenerateResult, PauseMode, SamplingParams
 
 log = logging.getLogger(__name__)
-
-_control = ray.method(concurrency_group="control")
 
 
 @dataclass
@@ -69,12 +71,17 @@ class _Item:
 
 
 class Batcher:
-    """Mixed into EmbeddedEngine; uses its _cfg, _model, _ranks, _device, _tokenizer,
-    _weight_version, engine_id and its Row makers (_row, _pad_id)."""
+    """One engine's queue and decode worker; see the module docstring. The worker
+    thread starts with the batcher."""
 
-    def _start_batching(self) -> None:
-        self._cond = threading.Condition()
-        self._step_lock = threading.Lock()  # held by each forward and by weight swaps
+    def __init__(
+        self, served: ServedModel, tokens: Tokens, cfg: EngineConfig, engine_id: int
+    ) -> None:
+        self.served = served
+        self.tokens = tokens
+        self.engine_id = engine_id
+        self._cfg = cfg
+        self._cond = served.cond  # guards the queue state below and the served version
         self._queue: deque[_Item] = deque()
         self._retract = False  # paused with mode "retract"
         self._paused = False
@@ -93,6 +100,11 @@ class Batcher:
         """False once the decode worker thread has died (the engine needs a restart)."""
         return self._dead is None and self._worker_thread.is_alive()
 
+    @property
+    def paused(self) -> bool:
+        """Paused by ``pause_generation`` (until ``continue_generation``)."""
+        return self._paused
+
     def _check_alive(self) -> None:
         if not self.decode_alive():
             raise EngineDeadError(
@@ -100,7 +112,7 @@ class Batcher:
                 "restart the engine (EngineGroup.restart)"
             )
 
-    def _submit(
+    def submit(
         self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str] | None
     ) -> list[GenerateResult]:
         """Queue checked rows and wait for their results (see the module docstring)."""
@@ -184,12 +196,12 @@ class Batcher:
         error = None
         try:
             decode(
-                self._runner(),
+                self.served.runner(),
                 rows,
-                self._pad_id(),
-                self._device,
+                self.tokens.pad_id(),
+                self.served.device,
                 between_steps=lambda e=epoch: self._between_steps(e),
-                step_lock=self._step_lock,
+                step_lock=self.served.step_lock,
             )
         except Exception as e:  # a failed batch must not kill the worker thread
             log.exception("engine %s: decode failed", self.engine_id)
@@ -209,17 +221,23 @@ class Batcher:
             self._queue.extendleft(reversed(again))
             self._cond.notify_all()
 
-    def _runner(self) -> ModelRunner:
-        """One decode call's forwards: on every rank when the engine spans several."""
-        return (
-            ModelRunner(self._model) if self._ranks is None else TPRunner(self._model, self._ranks)
+    def _row(self, prompt: list[int], sp: SamplingParams, deadline: float | None) -> Row:
+        """The decode state of a request about to start (holds cond): the version now."""
+        return Row(
+            prompt=prompt,
+            params=sp,
+            stop_ids=self.tokens.stop_ids(sp),
+            generator=make_generator(sp.sampling_seed),
+            version_start=self.served.version,
+            stop_check=self.tokens.stop_check(sp.stop) if sp.stop else None,
+            deadline=deadline,
         )
 
     def _bare_row(self, item: _Item) -> Row:
         """A Row to carry the result of a request that never decoded (no generator)."""
         stop = frozenset()
         gen = torch.Generator(device="cpu")
-        return Row(item.prompt, item.params, stop, gen, self._weight_version)
+        return Row(item.prompt, item.params, stop, gen, self.served.version)
 
     def _between_steps(self, epoch: int) -> str | Retract | None:
         """Decode hook: park while paused in place; retract; report an abort."""
@@ -251,17 +269,15 @@ class Batcher:
             call.error = error
         if row.finish is None:
             row.finish = {"type": "abort", "message": error or "not finished"}
-        text = self._tokenizer.decode(row.output_ids, skip_special_tokens=True)
-        matched = row.finish.get("matched")
-        if isinstance(matched, str) and matched in text:  # SGLang trims a stop string
-            text = text[: text.index(matched)]
-        call.results[item.i] = row.result(text, self._weight_version, self.engine_id)
+        text = self.tokens.text(row.output_ids, row.finish.get("matched"))
+        call.results[item.i] = row.result(text, self.served.version, self.engine_id)
         call.remaining -= 1
         if call.remaining == 0:
             call.done.set()
 
-    def _abort_all(self, message: str) -> None:
-        """End in-flight and queued requests with finish reason abort (holds cond)."""
+    def abort_all(self, message: str) -> None:
+        """End in-flight and queued requests with finish reason abort (caller holds
+        ``served.cond``)."""
         self._abort_epoch += 1
         self._abort_msg = message
         while self._queue:
@@ -270,7 +286,6 @@ class Batcher:
 
     # ---- pause / continue / abort -----------------------------------------
 
-    @_control
     def pause_generation(self, mode: PauseMode = "abort") -> None:
         """Stop generating; returns once no forward is running."""
         if mode not in ("abort", "in_place", "retract"):
@@ -279,7 +294,7 @@ class Batcher:
             self._paused = True
             self._retract = mode == "retract"
             if mode == "abort":
-                self._abort_all("aborted by pause_generation")
+                self.abort_all("aborted by pause_generation")
             self._cond.notify_all()
             # In place: until the worker parks. Retract or abort: until it has let go
             # of its batch (or has died).
@@ -287,22 +302,20 @@ class Batcher:
                 if not self._cond.wait(timeout=1.0) and not self.decode_alive():
                     break
 
-    def _paused_requests(self) -> int:
+    def paused_requests(self) -> int:
         """Requests held by a pause (not aborted): parked in place, or retracted to
-        the queue. SGLang's ``num_paused_requests`` (caller holds cond)."""
+        the queue. SGLang's ``num_paused_requests`` (caller holds ``served.cond``)."""
         if not self._paused:
             return 0
         retracted = sum(item.row is not None for item in self._queue)
         return (self._inflight if self._parked else 0) + retracted
 
-    @_control
     def continue_generation(self) -> None:
         with self._cond:
             self._paused = False
             self._retract = False
             self._cond.notify_all()
 
-    @_control
     def flush_cache(self) -> bool:
         """Drop cached state; refused (False) while any request is queued or running.
 
@@ -312,17 +325,15 @@ class Batcher:
         with self._cond:
             if self._inflight or self._queue:
                 return False
-        if self._device.type == "cuda":
+        if self.served.device.type == "cuda":
             torch.cuda.empty_cache()
         return True
 
-    @_control
     def get_load(self) -> dict[str, int]:
         """Requests decoding now and waiting in the queue (SGLang's ``/get_load`` counts)."""
         with self._cond:
             return {"num_running_reqs": self._inflight, "num_waiting_reqs": len(self._queue)}
 
-    @_control
     def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
         """SGLang ``/abort_request``: end one request (by rid) or all with finish reason abort.
 
@@ -333,7 +344,7 @@ class Batcher:
         with self._cond:
             if abort_all:
                 n = len(self._queue) + self._inflight
-                self._abort_all(msg)
+                self.abort_all(msg)
                 return n
             n, kept = 0, deque()
             for item in self._queue:

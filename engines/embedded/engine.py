@@ -3,11 +3,16 @@
 Owns one model replica, its control surface (weights, versions, memory, info,
 health, the HTTP front door) and the checks a request must pass before it is
 queued (``RequestLimits``: token ids in the vocabulary, prompt +
-max_new_tokens within the context length, a seed in [0, 2**63-1]); the queue,
-the decode worker, pausing and deadlines are ``engines.embedded.batching``. Method
-names and result shapes follow SGLang's HTTP endpoints (``/generate``,
-``/update_weights_from_disk``, ``/pause_generation`` ...), so callers cannot
-tell it from an SGLang server. It is a plain class; ``engines.group`` wraps it
+max_new_tokens within the context length, a seed in [0, 2**63-1]). Its
+collaborators, each made here and handed what it needs: ``served``
+(``ServedModel``: the model, its ranks, the weight version and the locks they
+share), ``tokens`` (``Tokens``: EOS, padding, stop strings, text), ``batcher``
+(``Batcher``: the queue, the decode worker, pausing and deadlines), ``updates``
+(``InMemoryUpdates``: tensor and broadcast weight updates) and ``memory``
+(``DeviceMemory``: sleep and wake). The Ray-visible methods that are theirs
+delegate to them under the same names. Method names and result shapes follow
+SGLang's HTTP endpoints (``/generate``, ``/update_weights_from_disk``,
+``/pause_generation`` ...), so callers cannot tell it from an SGLang server. It is a plain class; ``engines.group`` wraps it
 as a threaded Ray actor (see ``actor_class``). It never imports prefect and
 never reads anything but the local HF directory it is pointed at (verified
 against its manifest.json, ``engines.embedded.weight_files``).
@@ -53,6 +58,7 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
+from actors.device_memory import DeviceMemory
 from actors.options import CONTROL_CONCURRENCY, CONTROL_GROUP, GENERATE_CONCURRENCY
 from engines.config import EngineConfig
 from engines.embedded import tensor_parallel as tpar
@@ -60,9 +66,16 @@ from engines.embedded.batching import Batcher, EngineDeadError
 from engines.embedded.decode import Row, decode
 from engines.embedded.engine_ranks import EngineRanks, engine_device, load_model, wait_all
 from engines.embedded.memory_updates import InMemoryUpdates
-from engines.embedded.sampling import make_generator
+from engines.embedded.served_model import ServedModel
+from engines.embedded.tokens import Tokens
 from engines.embedded.weight_files import read_state_dict
-from engines.types import GenerateResult, RequestLimits, SamplingParams, UpdateWeightsResult
+from engines.types import (
+    GenerateResult,
+    PauseMode,
+    RequestLimits,
+    SamplingParams,
+    UpdateWeightsResult,
+)
 from engines.weights import check_state_dict, load_into
 from wire.errors import WeightLoadError, WeightPathError
 
@@ -84,7 +97,7 @@ def actor_class() -> Any:
 _control = ray.method(concurrency_group=CONTROL_GROUP)
 
 
-class EmbeddedEngine(Batcher, InMemoryUpdates):
+class EmbeddedEngine:
     """One rollout engine replica; see the module docstring for semantics."""
 
     def __init__(
@@ -100,70 +113,34 @@ class EmbeddedEngine(Batcher, InMemoryUpdates):
         torch.set_num_threads(cfg.torch_threads)
         self.engine_id = engine_id
         self._cfg = cfg
-        self._device = engine_device(cfg)
-        self._tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self._model = load_model(model_path, cfg)
-        self._ranks: EngineRanks | None = None
+        device = engine_device(cfg)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = load_model(model_path, cfg)
+        ranks: EngineRanks | None = None
         if cfg.tp_size > 1:
-            tpar.check_divisible(self._model.config, cfg.tp_size)
-            self._ranks = EngineRanks.start(model_path, cfg, engine_id, rank_bundles or [])
-            tpar.shard_model(self._model, 0, cfg.tp_size, self._ranks.group)
+            tpar.check_divisible(model.config, cfg.tp_size)
+            ranks = EngineRanks.start(model_path, cfg, engine_id, rank_bundles or [])
+            tpar.shard_model(model, 0, cfg.tp_size, ranks.group)
         self._model_path = model_path
         self._start_path = model_path  # always an allowed root for HTTP reloads
-        self._weight_version = str(int(weight_version))
-        self._eos = self._eos_ids()
+        self.served = ServedModel(model, device, ranks, str(int(weight_version)))
+        self.tokens = Tokens(tokenizer, model.generation_config)
         self.limits = self._limits()
-        self._released = False
+        self.memory = DeviceMemory(device, "weights")  # released for a colocated trainer
         self._http = None  # engines.embedded.http_server.HttpServerThread once start_http ran
-        self._start_batching()
-
-    def _eos_ids(self) -> frozenset[int]:
-        ids = {self._tokenizer.eos_token_id}
-        gen_eos = getattr(self._model.generation_config, "eos_token_id", None)
-        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
-        return frozenset(i for i in ids if i is not None)
+        self.batcher = Batcher(self.served, self.tokens, cfg, engine_id)  # starts the worker
+        self.updates = InMemoryUpdates(self.served, self.batcher, cfg.tp_size)
 
     def _limits(self) -> RequestLimits:
         # The embedding's rows, not config.vocab_size: the forward indexes those.
-        vocab = self._model.get_input_embeddings().weight.shape[0]
-        ctx = self._cfg.context_length or getattr(self._model.config, "max_position_embeddings", 0)
+        model = self.served.model
+        vocab = model.get_input_embeddings().weight.shape[0]
+        ctx = self._cfg.context_length or getattr(model.config, "max_position_embeddings", 0)
         if not ctx:
             raise ValueError(
                 "the model's config has no max_position_embeddings: set engines.context_length"
             )
         return RequestLimits(vocab_size=int(vocab), context_length=int(ctx))
-
-    # ---- rows -------------------------------------------------------------
-
-    def _row(self, prompt: list[int], sp: SamplingParams, deadline: float | None = None) -> Row:
-        stop = self._eos if sp.stop_token_ids is None else frozenset(sp.stop_token_ids)
-        return Row(
-            prompt=prompt,
-            params=sp,
-            stop_ids=stop,
-            generator=make_generator(sp.sampling_seed),
-            version_start=self._weight_version,
-            stop_check=self._stop_check(sp.stop) if sp.stop else None,
-            deadline=deadline,
-        )
-
-    def _stop_check(self, stops: tuple[str, ...]) -> Any:
-        """A Row.stop_check that finds a stop string in the completion's decoded tail.
-
-        Only the last few tokens are decoded each step: an earlier match would
-        have ended the row already.
-        """
-        window = 4 * max(len(s) for s in stops) + 8
-
-        def check(ids: list[int]) -> str | None:
-            tail = self._tokenizer.decode(ids[-window:], skip_special_tokens=True)
-            return next((s for s in stops if s in tail), None)
-
-        return check
-
-    def _pad_id(self) -> int:
-        pad = self._tokenizer.pad_token_id
-        return pad if pad is not None else next(iter(self._eos), 0)
 
     # ---- generation -------------------------------------------------------
 
@@ -196,7 +173,38 @@ class EmbeddedEngine(Batcher, InMemoryUpdates):
             return []
         if rid is not None and len(rid) != len(prompts):
             raise ValueError("give one rid per prompt")
-        return self._submit(prompts, parsed, rid)
+        return self.batcher.submit(prompts, parsed, rid)
+
+    # ---- pause, continue, abort and load (the batcher's) -------------------
+
+    @_control
+    def pause_generation(self, mode: PauseMode = "abort") -> None:
+        """Stop generating; returns once no forward is running (``Batcher.pause_generation``)."""
+        self.batcher.pause_generation(mode)
+
+    @_control
+    def continue_generation(self) -> None:
+        self.batcher.continue_generation()
+
+    @_control
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
+        """SGLang ``/abort_request``: end one request (by rid) or all with finish reason
+        abort; how many were aborted (``Batcher.abort_request``)."""
+        return self.batcher.abort_request(rid, abort_all)
+
+    @_control
+    def flush_cache(self) -> bool:
+        """Drop cached state; refused (False) while any request is queued or running."""
+        return self.batcher.flush_cache()
+
+    @_control
+    def get_load(self) -> dict[str, int]:
+        """Requests decoding now and waiting in the queue (SGLang's ``/get_load`` counts)."""
+        return self.batcher.get_load()
+
+    def decode_alive(self) -> bool:
+        """False once the decode worker thread has died (the engine needs a restart)."""
+        return self.batcher.decode_alive()
 
     # ---- weights and info -------------------------------------------------
 
@@ -218,54 +226,126 @@ class EmbeddedEngine(Batcher, InMemoryUpdates):
         ``allowed_roots`` (the HTTP server passes its own) confines every file
         opened; a file outside them raises WeightPathError instead of a result.
         """
+        served, batcher = self.served, self.batcher
         if abort_all_requests:
-            with self._cond:
-                self._abort_all("aborted by update_weights_from_disk")
+            with served.cond:
+                batcher.abort_all("aborted by update_weights_from_disk")
         roots = None if allowed_roots is None else tuple(allowed_roots)
+        ranks = served.ranks
         # Every rank reads and checks its slice before any rank swaps (all or nothing).
-        staged = (
-            [] if self._ranks is None else self._ranks.submit("stage_from_disk", model_path, roots)
-        )
+        staged = [] if ranks is None else ranks.submit("stage_from_disk", model_path, roots)
         try:
             state = tpar.shard_state(read_state_dict(model_path, roots), 0, self._cfg.tp_size)
-            check_state_dict(self._model, state)
+            check_state_dict(served.model, state)
             errors = [e for e in wait_all(staged) if e is not None]
             if errors:
                 raise WeightLoadError("; ".join(errors))
         except (WeightLoadError, OSError) as e:
-            if self._ranks is not None:
+            if ranks is not None:
                 wait_all(staged)  # let every rank finish reading before it drops
-                ray.get(self._ranks.submit("drop_staged"))
+                ray.get(ranks.submit("drop_staged"))
             if isinstance(e, WeightPathError):
                 raise
             log.warning("engine %s: refused to load %s: %s", self.engine_id, model_path, e)
-            with self._cond:
-                paused = self._paused_requests()
+            with served.cond:
+                paused = batcher.paused_requests()
             return {"success": False, "message": str(e), "num_paused_requests": paused}
-        with self._step_lock:
-            commits = [] if self._ranks is None else self._ranks.submit("commit_staged")
-            load_into(self._model, state)
+        with served.step_lock:
+            commits = [] if ranks is None else ranks.submit("commit_staged")
+            load_into(served.model, state)
             wait_all(commits)
-            with self._cond:
+            with served.cond:
                 if weight_version is not None:
-                    self._weight_version = str(weight_version)
+                    served.version = str(weight_version)
                 self._model_path = model_path
-                paused = self._paused_requests()
+                paused = batcher.paused_requests()
         if flush_cache:
-            self.flush_cache()
-        msg = f"loaded {model_path} as version {self._weight_version}"
+            batcher.flush_cache()
+        msg = f"loaded {model_path} as version {served.version}"
         return {"success": True, "message": msg, "num_paused_requests": paused}
 
     @_control
     def update_weight_version(self, new_version: str) -> str:
         """Relabel the served weights (after a tensor/distributed update)."""
-        with self._cond:
-            self._weight_version = str(new_version)
-            return self._weight_version
+        with self.served.cond:
+            self.served.version = str(new_version)
+            return self.served.version
 
     @_control
     def get_weight_version(self) -> str:
-        return self._weight_version
+        return self.served.version
+
+    # ---- in-memory weight updates (the updates') ----------------------------
+
+    @_control
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[dict[str, Any]],
+        load_format: str = "flattened_bucket",
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+    ) -> UpdateWeightsResult:
+        """Copy the buckets behind the tensor handles into the model, one handle per
+        rank (``InMemoryUpdates.update_weights_from_tensor``)."""
+        return self.updates.update_weights_from_tensor(
+            serialized_named_tensors, load_format, flush_cache, weight_version
+        )
+
+    @_control
+    def update_socket(self) -> dict[str, Any] | None:
+        """Where a producer on this host signals cached updates; None for several ranks."""
+        return self.updates.update_socket()
+
+    @_control
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+    ) -> dict[str, Any]:
+        """Join the broadcast group of trainer rank 0 as ``rank_offset`` (+ j for rank j)."""
+        return self.updates.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
+
+    @_control
+    def has_weights_update_group(self, group_name: str) -> bool:
+        return self.updates.has_weights_update_group(group_name)
+
+    @_control
+    def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+        return self.updates.destroy_weights_update_group(group_name)
+
+    @_control
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+    ) -> UpdateWeightsResult:
+        """Receive one bucket by broadcast from rank 0 of ``group_name`` and copy it in."""
+        return self.updates.update_weights_from_distributed(
+            names, dtypes, shapes, group_name, flush_cache, weight_version
+        )
+
+    @_control
+    def begin_weight_update(self) -> dict[str, Any]:
+        return self.updates.begin_weight_update()
+
+    @_control
+    def end_weight_update(self) -> dict[str, Any]:
+        return self.updates.end_weight_update()
+
+    @_control
+    def state_sha256(self) -> str:
+        """sha256 over (name, dtype, shape, bytes) of the model's state dict, sorted by name."""
+        return self.updates.state_sha256()
 
     @_control
     def model_info(self) -> dict[str, Any]:
@@ -273,34 +353,36 @@ class EmbeddedEngine(Batcher, InMemoryUpdates):
             "model_path": self._model_path,
             "tokenizer_path": self._model_path,
             "is_generation": True,
-            "weight_version": self._weight_version,
+            "weight_version": self.served.version,
             "engine_id": self.engine_id,
-            "device": str(self._device),
+            "device": str(self.served.device),
             "tp_size": self._cfg.tp_size,
-            "paused": self._paused,
+            "paused": self.batcher.paused,
         }
 
     @_control
     def rank_pids(self) -> list[int]:
         """Process ids of every rank of this engine, rank 0 (this actor) first."""
-        return [os.getpid(), *([] if self._ranks is None else self._ranks.pids())]
+        ranks = self.served.ranks
+        return [os.getpid(), *([] if ranks is None else ranks.pids())]
 
     @_control
     def health_generate(self) -> bool:
         """False once the decode loop has died; else a 1-token greedy generation
         outside the queue, so it answers while paused."""
-        if not self.decode_alive():
+        if not self.batcher.decode_alive():
             return False
-        bos = self._tokenizer.bos_token_id
+        served = self.served
         row = Row(
-            [bos if bos is not None else self._pad_id()],
+            [self.tokens.bos_id()],
             SamplingParams(temperature=0.0, max_new_tokens=1, stop_token_ids=()),
             frozenset(),
             torch.Generator(device="cpu"),
-            self._weight_version,
+            served.version,
         )
         try:
-            decode(self._runner(), [row], self._pad_id(), self._device, step_lock=self._step_lock)
+            pad = self.tokens.pad_id()
+            decode(served.runner(), [row], pad, served.device, step_lock=served.step_lock)
         except Exception:
             log.exception("engine %s: health_generate failed", self.engine_id)
             return False
@@ -309,7 +391,7 @@ class EmbeddedEngine(Batcher, InMemoryUpdates):
     @_control
     def is_alive(self) -> bool:
         """The decode loop runs (cheap; ``health_generate`` also runs a forward)."""
-        return self.decode_alive()
+        return self.batcher.decode_alive()
 
     # ---- memory -----------------------------------------------------------
 
@@ -324,36 +406,32 @@ class EmbeddedEngine(Batcher, InMemoryUpdates):
         the weights (the colocated steps wake engines before they generate).
         Idempotent; the reply adds the memory report (``state``, ``mode`` ...).
         """
-        from actors.device_memory import actor_memory
-
-        with self._step_lock:
-            report = actor_memory(self, self._device, "weights").sleep([self._model])
-            if self._ranks is not None:
-                ray.get(self._ranks.submit("release"))
-            self._released = True
-        return {"success": True, "message": f"released (device={self._device})", **report}
+        served = self.served
+        with served.step_lock:
+            report = self.memory.sleep([served.model])
+            if served.ranks is not None:
+                ray.get(served.ranks.submit("release"))
+        return {"success": True, "message": f"released (device={served.device})", **report}
 
     @_control
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         """Undo ``release_memory_occupation``: the weights are back, unchanged. Idempotent."""
-        from actors.device_memory import actor_memory
-
-        with self._step_lock:
-            report = actor_memory(self, self._device, "weights").wake([self._model])
-            if self._ranks is not None:
-                ray.get(self._ranks.submit("resume"))
-            self._released = False
-        return {"success": True, "message": f"resumed (device={self._device})", **report}
+        served = self.served
+        with served.step_lock:
+            report = self.memory.wake([served.model])
+            if served.ranks is not None:
+                ray.get(served.ranks.submit("resume"))
+        return {"success": True, "message": f"resumed (device={served.device})", **report}
 
     # ---- tokens and the HTTP front door -----------------------------------
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, as SGLang tokenizes a ``text`` prompt."""
-        return [self._tokenizer.encode(t) for t in texts]
+        return self.tokens.encode(texts)
 
     def eos_token_ids(self) -> list[int]:
         """The ids that end a request unless ``ignore_eos`` (SGLang adds stop_token_ids to them)."""
-        return sorted(self._eos)
+        return sorted(self.tokens.eos)
 
     @_control
     def start_http(

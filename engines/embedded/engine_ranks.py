@@ -28,9 +28,11 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.device_memory import DeviceMemory
 from engines.config import EngineConfig
 from engines.embedded import tensor_parallel as tpar
 from engines.embedded.decode import ModelRunner
+from engines.embedded.weight_cache import ReceiverCache
 from engines.embedded.weight_files import read_state_dict, verify_dir
 from engines.weights import check_state_dict, load_into
 from wire import receiver as wr
@@ -85,6 +87,8 @@ class EngineRank:
         self._runners: dict[str, ModelRunner] = {}
         self._staged: dict[str, torch.Tensor] | None = None
         self._update_groups: dict[str, Any] = {}
+        self.cache = ReceiverCache()  # this rank's opened staging handles, kept across updates
+        self.memory = DeviceMemory(self._device, "weights")  # sleeps with its engine
 
     def pid(self) -> int:
         return os.getpid()
@@ -132,9 +136,7 @@ class EngineRank:
 
     def apply_handle(self, handle: dict[str, Any]) -> int:
         """Copy this rank's slice of one transfer handle's buckets into the model."""
-        from engines.embedded import weight_cache
-
-        return weight_cache.apply(self, self._model, handle, self._device, self.rank, self.tp)[1]
+        return self.cache.apply(self._model, handle, self._device, self.rank, self.tp)[1]
 
     def join_update_group(
         self, addr: str, port: int, rank: int, world: int, name: str, backend: str
@@ -160,14 +162,10 @@ class EngineRank:
     # ---- memory -------------------------------------------------------------
 
     def release(self) -> dict[str, Any]:
-        from actors.device_memory import actor_memory
-
-        return actor_memory(self, self._device, "weights").sleep([self._model])
+        return self.memory.sleep([self._model])
 
     def resume(self) -> dict[str, Any]:
-        from actors.device_memory import actor_memory
-
-        return actor_memory(self, self._device, "weights").wake([self._model])
+        return self.memory.wake([self._model])
 
 
 class EngineRanks:

@@ -1,8 +1,10 @@
 """Engine side of a ``tensor`` push: opened buckets kept across updates, and the copy.
 
-Owns ``ReceiverCache`` and ``CopyPlan``. A producer that keeps one staging
-buffer for the whole model (``training.weight_staging``) marks its handles with
-``cache = {"channel", "key"}``: the first handle of a key carries everything
+Owns ``ReceiverCache`` (one per receiving rank, held by what receives there:
+the engine's ``InMemoryUpdates`` and each ``EngineRank``) and ``CopyPlan``. A
+producer that keeps one staging buffer for the whole model
+(``training.weight_staging``) marks its handles with ``cache = {"channel",
+"key"}``: the first handle of a key carries everything
 (IPC bytes or segment path, metadata) and is opened once; later handles of the
 same key may leave the metadata out, and the opened memory, the checked names
 and shapes and the source views are reused. The receiver keeps one entry (each
@@ -113,7 +115,8 @@ class _Entry:
 
 
 class ReceiverCache:
-    """Opened buckets by producer channel, and name resolution of the model."""
+    """Opened buckets by producer channel, and name resolution of the model; ``apply``
+    copies one handle with them."""
 
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
@@ -167,6 +170,30 @@ class ReceiverCache:
             entry.plans[slot] = plan
         return plan
 
+    def apply(
+        self,
+        model: torch.nn.Module,
+        handle: dict[str, Any],
+        device: torch.device,
+        rank: int,
+        tp: int,
+    ) -> tuple[int, int]:
+        """Copy this rank's slice of ``handle`` into ``model``; (tensors, bytes). A
+        handle that does not ask to be kept is dropped after."""
+        try:
+            plan = self.plan(model, handle, device, rank, tp)
+            nbytes = plan.copy()
+        except WeightLoadError:
+            self.drop(handle)
+            raise
+        if not (handle.get("cache") or {}).get("keep", False):
+            self.drop(handle)
+        return plan.ntensors, nbytes
+
+    def channels(self) -> list[str]:
+        """The producer channels whose buckets are held open."""
+        return list(self._entries)
+
     def drop(self, handle: dict[str, Any]) -> None:
         """Forget the entry of ``handle``'s channel (the producer will free or reuse it)."""
         cache = handle.get("cache")
@@ -176,27 +203,3 @@ class ReceiverCache:
     def clear(self) -> None:
         self._entries.clear()
         self._model, self._resolved = None, {}
-
-
-def apply(
-    owner: object,
-    model: torch.nn.Module,
-    handle: dict[str, Any],
-    device: torch.device,
-    rank: int,
-    tp: int,
-) -> tuple[int, int]:
-    """Copy this rank's slice of ``handle`` into ``model`` with ``owner``'s cache;
-    (tensors, bytes). A handle that does not ask to be kept is dropped after."""
-    cache = owner.__dict__.get("_weight_cache")
-    if cache is None:
-        cache = owner.__dict__["_weight_cache"] = ReceiverCache()
-    try:
-        plan = cache.plan(model, handle, device, rank, tp)
-        nbytes = plan.copy()
-    except WeightLoadError:
-        cache.drop(handle)
-        raise
-    if not (handle.get("cache") or {}).get("keep", False):
-        cache.drop(handle)
-    return plan.ntensors, nbytes

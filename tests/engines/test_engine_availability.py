@@ -115,14 +115,14 @@ def test_a_request_whose_forward_fails_fails_alone(tiny_dir):
     params = {"max_new_tokens": 6, "sampling_seed": 5, "stop_token_ids": []}
     prompts = [[1, 5 + k, 6] for k in range(6)]
     alone = [eng.generate([p], params)[0]["output_ids"] for p in prompts]
-    real_forward = eng._model.forward
+    real_forward = eng.served.model.forward
 
     def faulty_forward(*args, **kwargs):  # FAULT INJECTION: fails any batch with POISON
         if (kwargs["input_ids"] == POISON).any():
             raise RuntimeError("injected fault: poisoned row")
         return real_forward(*args, **kwargs)
 
-    eng._model.forward = faulty_forward
+    eng.served.model.forward = faulty_forward
     eng.pause_generation("abort")  # hold every call back, then release them all at once
     with ThreadPoolExecutor(8) as pool:
         goods = [pool.submit(eng.generate, [p], params) for p in prompts]
@@ -175,7 +175,7 @@ def test_dead_decode_loop_is_unhealthy_and_the_group_restarts_it(ray_cluster, ti
             def runner():
                 raise InjectedFault("injected: the decode thread dies")
 
-            engine._runner = runner
+            engine.served.runner = runner
 
         ray.get(victim.__ray_call__.remote(kill_decode_loop))
         with pytest.raises(EngineDeadError, match="decode loop died"):

@@ -111,7 +111,7 @@ def test_greedy_matches_hf_generate(engine):
     out = engine.generate(
         [PROMPTS[1]], [{"temperature": 0.0, "max_new_tokens": 10, "stop_token_ids": []}]
     )[0]
-    ref = engine._model.generate(
+    ref = engine.served.model.generate(
         torch.tensor([PROMPTS[1]]),
         max_new_tokens=10,
         do_sample=False,

@@ -94,7 +94,7 @@ def test_tensor_endpoint_with_a_token_never_runs_a_pickle(token_url, tmp_path, e
     assert _tensor_post(token_url, ["%%%"], BEARER).status_code == 400  # not even base64
     before = engine.state_sha256()
     # A real bucket still goes through (the allow-list holds what a bucket needs).
-    state = engine._model.state_dict()
+    state = engine.served.model.state_dict()
     seg = ShmSegment(flatten([("model.norm.weight", state["model.norm.weight"].clone())]))
     try:
         r = _tensor_post(token_url, [wr.encode_handle(seg.handle)], BEARER)

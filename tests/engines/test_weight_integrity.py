@@ -171,7 +171,7 @@ def test_ranks_of_a_two_rank_engine_verify_too(ray_cluster, root, tiny_dir, run_
         assert ray.get(h.get_weight_version.remote()) == "0"
 
         def stage_on_rank_1(engine, path):  # what rank 1 finds when it reads the dir itself
-            return ray.get(engine._ranks.peers[0].stage_from_disk.remote(path))
+            return ray.get(engine.served.ranks.peers[0].stage_from_disk.remote(path))
 
         err = ray.get(h.__ray_call__.remote(stage_on_rank_1, str(d)))
         assert err is not None and err.startswith("rank 1") and "hash mismatch" in err

@@ -113,7 +113,8 @@ def engine_devices(engine: Any) -> list[str]:
     def ranks(actor: Any) -> list[str]:
         import ray
 
-        peers = [] if actor._ranks is None else actor._ranks.peers
+        ranks = actor.served.ranks
+        peers = [] if ranks is None else ranks.peers
         return [probe(actor), *ray.get([p.__ray_call__.remote(probe) for p in peers])]
 
     return ray.get(engine.__ray_call__.remote(ranks))
@@ -127,7 +128,7 @@ def broadcast_groups(trainer_rank0: Any, engine: Any) -> tuple[list[str], list[s
         return [type(pg).__name__ for pg in actor.pusher.broadcast.groups.values()]
 
     def receiver(actor: Any) -> list[str]:
-        return [type(pg).__name__ for pg in getattr(actor, "_groups", {}).values()]
+        return [type(pg).__name__ for pg in actor.updates.groups.values()]
 
     return (
         ray.get(trainer_rank0.__ray_call__.remote(sender)),

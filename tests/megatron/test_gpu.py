@@ -184,7 +184,7 @@ def test_checkpoint_round_trip_and_hf_export(parallel_state, qwen2_dir, tmp_path
     # torch_memory_saver's region tensors would be freed at interpreter exit after
     # the saver is gone, and that exit fails (rc 1). Actors (killed, never exited)
     # use the saver; tests/integration/test_colocate_gpu.py covers that mode.
-    actor.__dict__["_device_memory"] = DeviceMemory(actor.device, "train", mode="move")
+    actor.memory = DeviceMemory(actor.device, "train", mode="move")
     actor.offload()
     assert next(actor.model.parameters()).device.type == "cpu"
     actor.onload()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.device_memory import DeviceMemory, actor_memory
+from actors.device_memory import DeviceMemory
 from actors.placement import SharedPlacement, colocated_bundles
 from flows.config import ConfigError, load_config
 
@@ -98,10 +98,12 @@ def test_device_memory_on_cpu_changes_state_and_nothing_else():
     assert [p.data_ptr() for p in model.parameters()] == ptrs  # nothing moved
 
 
-def test_actor_memory_starts_awake_and_is_kept_on_the_actor():
-    class Actor:
-        pass
-
-    a = Actor()
-    mem = actor_memory(a, torch.device("cpu"), "weights")
-    assert mem.state == "awake" and actor_memory(a, torch.device("cpu"), "weights") is mem
+def test_device_memory_starts_awake_and_tells_whether_it_ever_slept():
+    """What an actor makes with itself: awake, and a wake of an awake actor is no sleep
+    (a push streams per bucket only for a rank that takes turns)."""
+    model = torch.nn.Linear(2, 2)
+    mem = DeviceMemory(torch.device("cpu"), "weights")
+    assert mem.state == "awake" and not mem.has_slept
+    assert mem.wake([model])["changed"] is False and not mem.has_slept
+    mem.sleep([model])
+    assert mem.has_slept and mem.wake([model])["state"] == "awake" and mem.has_slept

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from engines.embedded.weight_cache import CacheMiss, ReceiverCache, apply
+from engines.embedded.weight_cache import CacheMiss, ReceiverCache
 from training.weight_staging import Layout, Staging, has_room, sweep_dead_segments
 from wire import receiver as wr
 from wire.errors import WeightLoadError
@@ -52,11 +52,11 @@ def test_resident_updates_reuse_the_open_segment_and_copy_exact_bytes():
     }
     assert aliases == {"head.weight": "emb.weight"}  # tied: its bytes travel once
     staging = Staging(layout, torch.device("cpu"), "rank0")
-    owner = type("Engine", (), {})()
+    cache = ReceiverCache()  # the engine's
     try:
         staging.fill(_named(src))
         full = staging.handle(full=True)
-        assert apply(owner, dst, wr.check_handle(full), torch.device("cpu"), 0, 1) == (
+        assert cache.apply(dst, wr.check_handle(full), torch.device("cpu"), 0, 1) == (
             3,
             11 * 4 * 4 + 4 * 2,
         )
@@ -67,7 +67,7 @@ def test_resident_updates_reuse_the_open_segment_and_copy_exact_bytes():
         staging.fill(_named(src))
         short = wr.check_handle(staging.handle(full=False))
         assert all(p["metadata"] is None for p in short["parts"])
-        apply(owner, dst, short, torch.device("cpu"), 0, 1)
+        cache.apply(dst, short, torch.device("cpu"), 0, 1)
         assert _same(src, dst) and dst.head.weight is dst.emb.weight
         # The engine's weights now live in one flat per dtype: an update is one copy each.
         assert dst.emb.weight.untyped_storage().nbytes() == 11 * 4 * 4
@@ -75,10 +75,10 @@ def test_resident_updates_reuse_the_open_segment_and_copy_exact_bytes():
             dst.emb.weight.data = dst.emb.weight.data.clone()
             src.emb.weight.add_(1)
         staging.fill(_named(src))
-        apply(owner, dst, staging.handle(full=False), torch.device("cpu"), 0, 1)
+        cache.apply(dst, staging.handle(full=False), torch.device("cpu"), 0, 1)
         assert _same(src, dst)
         with pytest.raises(CacheMiss):  # another engine never opened this key
-            apply(type("Other", (), {})(), Tied(2), short, torch.device("cpu"), 0, 1)
+            ReceiverCache().apply(Tied(2), short, torch.device("cpu"), 0, 1)
     finally:
         staging.close()
     assert not os.path.exists(full["path"])
@@ -104,7 +104,7 @@ def test_a_bound_trainer_model_is_the_staging_buffer():
     params = list(src.parameters())
     before = {n: t.clone() for n, t in src.state_dict().items()}
     staging = _staging(src)
-    owner = type("Engine", (), {})()
+    cache = ReceiverCache()  # the engine's
     try:
         assert staging.bind(src) and staging.bound(src)
         assert not staging.bound(Tied(0))  # a rebuilt model is not the one bound
@@ -113,7 +113,7 @@ def test_a_bound_trainer_model_is_the_staging_buffer():
         with torch.no_grad():
             src.norm.mul_(3)  # a training step writes the buffer the engine reads
         staging.ready()
-        apply(owner, dst, staging.handle(full=True), torch.device("cpu"), 0, 1)
+        cache.apply(dst, staging.handle(full=True), torch.device("cpu"), 0, 1)
         assert _same(src, dst)
         src.norm.data = src.norm.data.clone()  # moved away: no longer bound
         assert not staging.bound(src)
@@ -175,15 +175,15 @@ def test_a_new_producer_replaces_what_the_engine_held_open():
     """A restarted trainer is a new producer: the engine drops the old buffer (and the
     flats its weights were bound into) instead of keeping both."""
     src, dst = Tied(0), Tied(1)
-    owner = type("Engine", (), {})()
+    cache = ReceiverCache()  # the engine's
     old, new = _staging(src), _staging(src)
     new.channel = "rank0-restarted"
     try:
         for staging in (old, new):
             staging.fill(_named(src))
-            apply(owner, dst, staging.handle(full=True), torch.device("cpu"), 0, 1)
+            cache.apply(dst, staging.handle(full=True), torch.device("cpu"), 0, 1)
             assert _same(src, dst)
-        assert len(owner._weight_cache._entries) == 1
+        assert cache.channels() == ["rank0-restarted"]
     finally:
         old.close()
         new.close()
