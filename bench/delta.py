@@ -6,24 +6,33 @@ Qwen2.5-0.5B shape, synthetic lr x N(0, 1) steps) and, with ``--real-steps N``,
 ``real-lr<lr>``: N real GRPO steps of the project's own trainer on the 0.5B
 shape in bf16 (CUDA when there is one, else CPU with tiny batches).
 
-Each path as a run uses it (``training.durable._write_hf``, ``tasks.engines``):
+Each path as a run uses it (``training.durable._write_hf``, ``tasks.serving``):
 
-- publish: ``RunStore.weights_writer`` (full: every byte hashed, written and
-  fsynced; delta: XOR against v0, zstd, the full sha256 of the new bytes, the
-  small delta files fsynced), then commit.
+- publish: ``RunStore.weights_writer`` (full: every byte hashed, sha256 and the
+  hash tree, written and fsynced; delta: XOR against v0, zstd, the sha256 and
+  tree of the new bytes, the small delta files fsynced), then commit.
 - pull: what happens before an engine loads. Local disk, full: nothing (engines
   load the committed folder, ``engine_weights``); local disk, delta: the pull
-  that rebuilds and verifies into the engines' cache, which holds v0 already;
-  S3: a verified pull (delta: rebuilt from the cached v0).
+  that rebuilds and verifies into the engines' cache, which holds v0 already
+  (frames decoded on every core, each chunk hashed as it is written or its hash
+  carried from v0's tree); S3: a verified pull (delta: rebuilt from the cached v0).
 - load: the engine's own check of the folder it loads (``verify_dir``: every
-  byte hashed against the manifest), the same work on both sides.
+  chunk hashed on every core against the manifest's trees), the same work on both
+  sides.
 
 ``ratio`` is delta/full of publish + pull; ``ratio+load`` adds the load. The
 first delta also pays what is paid once per base (the publisher hashes the
 base's files; on S3 it pulls the base): its row shows it. Floors from the same
 run, over the last version's bytes: ``sha256`` (one thread, as one file is
 hashed), ``write+fsync`` (what a full publish must do), and how many seconds
-each takes. Wall and CPU seconds (this process). No assertions.
+each takes. Each path deletes its own output before its next version (the full
+path its last version, the delta path its rebuilt folder), so both write into page
+cache freed a moment ago (see ``bench.weights_io`` on first-touch costs of VMs).
+A full version's hash, over its committed files on local disk (warm
+page cache, median of 5): one sha256 pass per file (how a version was verified
+before hash trees), its hash tree (BLAKE3 per 8 MiB chunk on every core, as
+``verify_dir`` does it) and the same chunks hashed with sha256 on every core (the
+other candidate). Wall and CPU seconds (this process). No assertions.
 
 ``--busy-disk-gb 2.3`` times each local-disk path again while a checkpoint-sized
 writer streams to the same disk (a run saving every iteration): the case where
@@ -42,6 +51,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -55,8 +65,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.delta_states import real_states, synthetic_states, tiny_states  # noqa: E402
-from storage import RunStore, S3Options, StorageConfig, verify_dir  # noqa: E402
-from storage.hashio import start_writeback, write_all  # noqa: E402
+from storage import RunStore, S3Options, StorageConfig, tree, verify_dir  # noqa: E402
+from storage.hashio import hash_file, start_writeback, write_all  # noqa: E402
 from storage.safetensors_io import TensorEntry, write_hf_shards  # noqa: E402
 
 MB = 1 << 20
@@ -112,11 +122,55 @@ def floors(entries: list[TensorEntry], tmp: str) -> dict[str, float]:
     return {"sha256_s": round(sha_s, 3), "write_fsync_s": round(write_s, 3)}
 
 
+def hash_floors(folder: str, repeat: int = 5) -> dict[str, float]:
+    """Median seconds to hash a committed version's files (see the module doc)."""
+    paths = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n != "manifest.json"]
+    local = threading.local()
+
+    def chunk(fd: int, off: int, n: int, fn: Callable[[memoryview], object]) -> None:
+        if getattr(local, "buf", None) is None:
+            local.buf = bytearray(tree.CHUNK)
+        view = memoryview(local.buf)[:n]
+        got = 0
+        while got < n:
+            got += os.preadv(fd, [view[got:]], off + got)
+        fn(view)
+
+    def chunks(fn: Callable[[memoryview], object]) -> None:
+        fds = [os.open(p, os.O_RDONLY) for p in paths]
+        try:
+            futs = [
+                tree.pool().submit(chunk, fd, off, min(tree.CHUNK, size - off), fn)
+                for fd, size in ((fd, os.fstat(fd).st_size) for fd in fds)
+                for off in range(0, size, tree.CHUNK)
+            ]
+            for x in futs:
+                x.result()
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def med(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return round(statistics.median(times), 4)
+
+    return {
+        "sha256_one_pass_s": med(lambda: [hash_file(p) for p in paths]),
+        "tree_blake3_s": med(lambda: chunks(tree.digest)),
+        "tree_sha256_s": med(lambda: chunks(lambda v: hashlib.sha256(v).digest())),
+        "threads": tree.workers(),
+    }
+
+
 @contextmanager
 def busy_disk(tmp: str, gb: float) -> Iterator[None]:
     """A checkpoint-sized writer beside the timed block: ``gb`` GB written in 1 MiB
     calls into ``tmp``, then fsynced (a run that saves every iteration writes 2.3 GB of
-    checkpoint while it publishes 1 GB: README, bench.ledger_fsync). Joined after the
+    checkpoint while it publishes 1 GB: docs/benchmarks.md, bench.ledger_fsync). Joined after the
     block, so each block starts on a quiet disk."""
     if gb <= 0:
         yield
@@ -147,8 +201,11 @@ def run_state(
     where: str,
     tmp: str,
     busy_gb: float = 0.0,
+    hashes: dict | None = None,
 ) -> list[dict]:
-    """Rows of one state on one root: full vs delta for v1..vN (see the module doc)."""
+    """Rows of one state on one root: full vs delta for v1..vN (see the module doc);
+    on a quiet local disk also a full version's hash times, into ``hashes``."""
+    hashes = {} if hashes is None else hashes
     steps = len(versions) - 1
     full = RunStore(cfg_of("full"), f"{name}-full-{uuid.uuid4().hex[:6]}")
     delta = RunStore(cfg_of("delta"), f"{name}-delta-{uuid.uuid4().hex[:6]}")
@@ -176,6 +233,12 @@ def run_state(
             tpd, cpd, pulled = timed(delta.pull, v, engine_cache)
             tld, cld, _ = timed(verify_dir, pulled.path)
         shutil.rmtree(pulled.path)
+        if where == "disk" and v < steps:
+            # Each path frees its own output before its next version (the delta path its
+            # rebuilt folder, above): on a VM with free-page reporting, page cache freed
+            # a moment ago is cheap to write again and memory the host reclaimed costs
+            # seconds per GB (bench.weights_io), so neither path may live off the other's.
+            shutil.rmtree(full.version_url(v))
         row = {
             "state": name,
             "root": where,
@@ -205,6 +268,10 @@ def run_state(
             f"{row['full_cpu_s']:.2f} / {row['delta_cpu_s']:.2f} |",
             flush=True,
         )
+    if where == "disk" and not busy_gb:
+        folder = full.local_version_dir(steps)
+        assert folder is not None
+        hashes.update(hash_floors(folder))
     return rows
 
 
@@ -284,6 +351,7 @@ def main() -> None:
                     "disk",
                     tmp,
                     busy,
+                    meta[f"floors-{s}"],
                 )
         if args.s3:
             sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -308,6 +376,14 @@ def main() -> None:
             f"floors {s} ({f['bytes'] / MB:.0f} MB, local disk): sha256 one thread "
             f"{f['sha256_s']:.2f} s, write+fsync {f['write_fsync_s']:.2f} s"
         )
+        if "tree_blake3_s" in f:
+            one = f["sha256_one_pass_s"]
+            print(
+                f"a full version's hash ({s}, its files, median of 5): sha256 one pass per "
+                f"file {one:.3f} s; tree on {f['threads']} threads: BLAKE3 "
+                f"{f['tree_blake3_s']:.3f} s ({one / max(f['tree_blake3_s'], 1e-4):.1f}x faster), sha256 "
+                f"chunks {f['tree_sha256_s']:.3f} s ({one / max(f['tree_sha256_s'], 1e-4):.1f}x)"
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

@@ -1,10 +1,10 @@
 """Benchmark: publishing and pulling weight versions vs raw I/O of the same bytes.
 
 For each size: random bf16-sized tensors are written as HF safetensors shards
-through ``WeightsWriter`` (sha256 while writing, 2 shards at a time, fsync,
-manifest, rename) and ``pull_version`` copies them into a cache, verifying
-sha256 (from a local root on the same filesystem it hard-links, then reads
-every byte to verify). Baselines, on the same bytes and the same files:
+through ``WeightsWriter`` (sha256 and the hash tree while writing, 2 shards at
+a time, fsync, manifest, rename) and ``pull_version`` copies them into a cache,
+verifying each file's tree on every core (from a local root on the same
+filesystem it hard-links, then reads every byte to verify). Baselines, on the same bytes and the same files:
 
 - publish vs "raw write+fsync": write each shard file with plain 1 MiB
   ``write()`` calls (the size ours uses), 2 files at a time (as ours), fsync

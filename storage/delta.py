@@ -5,17 +5,18 @@
 through an XOR against the base's bytes (``storage.delta_format``) into
 ``<name>.xor.zst``; a file equal to the base's is not stored at all; any other
 file is stored whole. The manifest names the base, its digest, and every rebuilt
-file's full size and sha256 (hashed from the new bytes as they stream in), so a
-reader verifies what it rebuilds, never what it was told.
+file's full size, sha256 and hash tree (``storage.tree``; all hashed from the new
+bytes as they stream in), so a reader verifies what it rebuilds, never what it was
+told.
 
 The base is a full version (never a delta: chains stay one link long), chosen by
 ``choose_base``: the newest committed full version fewer than ``full_every``
 versions back; else the version is written full. The base's bytes come from a
 local folder: the committed folder on a local root, or a verified pull into a
 cache on an object store (once per base, reused by every delta against it).
-Each base file is hashed against the base's manifest before its first use in
-this process, so a changed base fails the publish instead of writing a delta
-nobody can rebuild.
+Each base file is checked against the base's manifest before its first use in
+this process (by its tree, on every core), so a changed base fails the publish
+instead of writing a delta nobody can rebuild.
 
 The commit rule is ``WeightsWriter``'s: files first, the manifest last; an
 exception anywhere abandons the whole writer. Must not import torch.
@@ -25,12 +26,12 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
 import numpy as np
 
+from storage import tree
 from storage.delta_format import (
     DELTA_SUFFIX,
     FRAME,
@@ -38,13 +39,14 @@ from storage.delta_format import (
     TENSORS,
     BaseImage,
     FrameWriter,
+    first_frame,
     header_size,
     parse_layout,
     read_layout,
     xor_into,
 )
 from storage.errors import IntegrityError, ManifestError, StorageError
-from storage.hashio import HashingWriter, hash_file
+from storage.hashio import HashingWriter, hash_file, wait
 from storage.layout import version_name
 from storage.manifests import committed_versions, read_manifest
 from storage.types import DeltaOf, FileEntry, WeightsManifest
@@ -72,91 +74,54 @@ def choose_base(
     return None
 
 
-# sha256 of a delta file's new bytes runs here, beside its XOR and compression.
-_SHA_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="storage-delta-sha")
-
-# (path, inode, size, mtime_ns) -> sha256 of base files this process has hashed (or
-# written: remember_committed): committed files are immutable, so one read per base
-# file per process is enough.
-_VERIFIED: dict[tuple[str, int, int, int], str] = {}
-_VERIFIED_LOCK = threading.Lock()
-
-
-def _key(path: str, st: os.stat_result) -> tuple[str, int, int, int]:
-    return (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
-
-
 def remember_committed(m: WeightsManifest, folder: str) -> None:
     """Record the files of full version ``m``, just committed into the local ``folder``
-    by this process, as verified: their sha256 was taken from the very bytes written
-    (storage.hashio), so the first delta against this base need not read them again.
-    Any later write changes a file's mtime (or inode), and the file is hashed again."""
-    if m.delta is not None:
-        return
-    for e in m.files:
-        path = os.path.join(folder, e.name)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            continue
-        if st.st_size == e.bytes:
-            with _VERIFIED_LOCK:
-                _VERIFIED[_key(path, st)] = e.sha256
+    by this process, as verified (``storage.tree.remember``): their hashes were taken
+    from the very bytes written (storage.hashio), so the first delta against this base
+    need not read them again."""
+    if m.delta is None:
+        for e in m.files:
+            tree.remember(os.path.join(folder, e.name), e)
 
 
 def verify_base_file(path: str, entry: FileEntry, base: int, version: int) -> None:
-    """IntegrityError unless the local base file matches ``entry`` (hashed once per
-    process while its inode, size and mtime stay the same)."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise IntegrityError(
-            f"base {version_name(base)} of {version_name(version)}: {entry.name!r} is missing "
-            f"from {os.path.dirname(path)}; pull the base again or publish the version full"
-        ) from None
-    key = _key(path, st)
-    with _VERIFIED_LOCK:
-        sha = _VERIFIED.get(key)
-    if sha is None:
-        n, sha = hash_file(path)
-        if n != entry.bytes or sha != entry.sha256:
-            raise IntegrityError(
-                f"base {version_name(base)} of {version_name(version)}: {entry.name!r} in "
-                f"{os.path.dirname(path)} has {n} bytes sha256 {sha[:12]}..., its manifest says "
-                f"{entry.bytes} bytes sha256 {entry.sha256[:12]}...; re-pull or republish the base"
-            )
-        with _VERIFIED_LOCK:
-            _VERIFIED[key] = sha
-    elif sha != entry.sha256:
+    """IntegrityError unless the local base file matches ``entry`` (checked once per
+    process while its inode, size and mtime stay the same: ``tree.verified_once``)."""
+    why = tree.verified_once(path, entry)
+    if why is not None:
         raise IntegrityError(
             f"base {version_name(base)} of {version_name(version)}: {entry.name!r} in "
-            f"{os.path.dirname(path)} is not the file its manifest lists; re-pull the base"
+            f"{os.path.dirname(path)}: {why}; re-pull or republish the base, or publish "
+            f"{version_name(version)} full"
         )
 
 
 class _XorFile(HashingWriter):
     """A file of the new version, written as frames of (new XOR base image) into
-    ``inner``; its own sha256 and size are those of the full new bytes."""
+    ``inner``; its own sha256, tree and size are those of the full new bytes. Frames
+    line up with the tree's chunks (``delta_format``): the bytes of a frame are XORed
+    into its buffer as they arrive, and it is compressed once full."""
 
     def __init__(self, name: str, base_path: str, inner: HashingWriter, on_close: Any):
-        super().__init__(name, on_close)
+        super().__init__(name, on_close, chunks=tree.CHUNK)
         self._base_path, self._inner = base_path, inner
         self._head = bytearray()  # the first bytes, held until the image is chosen
-        self._off = 0  # bytes of the new file already in frames
-        self._fbuf = np.empty(FRAME, np.uint8)  # reused: one frame's image, then its XOR
+        self._off = 0  # bytes of the new file already XORed into frames
+        self._fbuf = np.empty(FRAME, np.uint8)  # reused: the frame being filled
+        self._fill = 0  # bytes of the frame being filled
         self._image: BaseImage | None = None
         self._frames: FrameWriter | None = None
 
     def _emit(self, mv: memoryview) -> None:
-        fut = _SHA_POOL.submit(self._sha.update, mv)  # the hash overlaps XOR and zstd
+        futs = self._hash(mv)  # sha256 and chunk hashes overlap XOR and zstd
         try:
             if self._frames is not None:
-                self._frame(mv, FRAME)
+                self._xor(mv)
             else:
                 self._head += mv
                 self._start_if_ready(final=False)
         finally:
-            fut.result()  # the caller may reuse its buffer once write() returns
+            wait(futs)  # the caller may reuse its buffer once write() returns
 
     def _start_if_ready(self, final: bool) -> None:
         """Pick the image once the head is known; the first frame holds the whole head."""
@@ -174,22 +139,35 @@ class _XorFile(HashingWriter):
             self._image, mode = BaseImage.raw(self._base_path), RAW
         self._frames = FrameWriter(self._inner, mode)
         self._head = bytearray()
-        self._frame(memoryview(head), max(FRAME, len(head)))
+        first = first_frame(size or 0)
+        if first > len(self._fbuf):
+            self._fbuf = np.empty(first, np.uint8)
+        self._xor(memoryview(head))
 
-    def _frame(self, mv: memoryview, first: int) -> None:
+    def _xor(self, mv: memoryview) -> None:
+        """XOR ``mv`` (the next new bytes) into the frame buffer; a full frame is sent."""
         assert self._image is not None and self._frames is not None
-        i, size = 0, first
+        i = 0
         while i < len(mv):
-            n = min(size, len(mv) - i)
-            if n > len(self._fbuf):
-                self._fbuf = np.empty(n, np.uint8)
-            x = self._image.read_into(self._off, self._fbuf[:n])
-            self._frames.add(xor_into(x, mv[i : i + n]))
-            i, self._off, size = i + n, self._off + n, FRAME
+            n = min(len(self._fbuf) - self._fill, len(mv) - i)
+            x = self._image.read_into(self._off, self._fbuf[self._fill : self._fill + n])
+            xor_into(x, mv[i : i + n])
+            i, self._off, self._fill = i + n, self._off + n, self._fill + n
+            if self._fill == len(self._fbuf):
+                self._send()
+
+    def _send(self) -> None:
+        assert self._frames is not None
+        self._frames.add(self._fbuf[: self._fill])
+        self._fill = 0
+        if len(self._fbuf) != FRAME:  # the first frame was larger: the rest are FRAME
+            self._fbuf = np.empty(FRAME, np.uint8)
 
     def _finish(self) -> None:
         if self._frames is None:
             self._start_if_ready(final=True)
+        if self._fill:
+            self._send()
         self._close_image()
         self._inner.close()
 
@@ -248,9 +226,8 @@ class DeltaWriter:
         return _XorFile(name, path, self._inner.open(name + DELTA_SUFFIX), self._closed)
 
     def _closed(self, w: HashingWriter) -> None:
-        assert w.sha256 is not None
         with self._lock:
-            self._full[w.name] = FileEntry(name=w.name, bytes=w.bytes, sha256=w.sha256)
+            self._full[w.name] = w.entry()
 
     def add_file(self, name: str, local_path: str) -> FileEntry:
         """Copy a local file (config, tokenizer) into the version; one equal to the
@@ -258,10 +235,9 @@ class DeltaWriter:
         n, sha = hash_file(local_path)
         b = self._base_files.get(_own_name(name))
         if b is not None and (b.bytes, b.sha256) == (n, sha):
-            entry = FileEntry(name=name, bytes=n, sha256=sha)
             with self._lock:
-                self._full[name] = entry
-            return entry
+                self._full[name] = b  # the base's entry, its tree included
+            return b
         return self._inner.add_file(name, local_path)
 
     def commit(self) -> WeightsManifest:

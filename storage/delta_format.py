@@ -16,8 +16,12 @@ was laid out by another writer (v0 is the base model's own files). An RL step
 changes few bf16 values, so the XOR is mostly zero bytes and zstd shrinks it.
 
 The first frame always holds the whole safetensors header (a reader learns the
-new layout from it before it needs the image). Owns this format only: no
-manifests, no hashing, no fsspec. Must not import torch.
+new layout from it before it needs the image). Frames line up with the chunks of
+the file's hash tree (``storage.tree``): the first one is a whole number of
+``FRAME``s, every later one ``FRAME`` bytes, the last one shorter; so a reader
+decodes frames on every core and hashes each chunk as it writes it. Deltas written
+before hash trees have frames of any size (their readers check the sha256). Owns
+this format only: no manifests, no hashing, no fsspec. Must not import torch.
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ from typing import BinaryIO
 import numpy as np
 
 from storage.errors import IntegrityError, StorageError
+from storage.tree import CHUNK
 
 MAGIC = b"PRLXD1"
 TENSORS, RAW = b"T", b"R"
 DELTA_SUFFIX = ".xor.zst"
-FRAME = 8 << 20  # bytes of the new file per frame: enough for zstd, small enough to pipeline
+FRAME = CHUNK  # bytes of the new file per frame: one chunk of its hash tree
 MAX_HEADER = 100 << 20  # the safetensors library's own limit on a header
 LEVEL = 1  # the XOR of a bf16 step: level 1 is as small as 3 (4.0% of 8 MB) and 10% faster
 
@@ -143,6 +148,20 @@ class BaseImage:
         out[pos - off :] = 0
         return out
 
+    def identical(self, lo: int, hi: int) -> bool:
+        """True when the image over [lo, hi) is the base file's own bytes at the same
+        offsets (a zero XOR there means the new bytes are the base's)."""
+        pos = lo
+        for start, end, boff in self._segments:
+            if pos >= hi:
+                break
+            if end <= pos:
+                continue
+            if start > pos or boff != start:
+                return False
+            pos = end
+        return pos >= hi
+
     def close(self) -> None:
         os.close(self._fd)
 
@@ -168,47 +187,53 @@ class FrameWriter:
         self._out.write(c)
 
 
-def read_frames(
-    f: BinaryIO, where: str, limit: int, buffers: int = 1
-) -> tuple[bytes, Iterator[np.ndarray]]:
-    """(mode, the decompressed frames of a delta file). Frame i is a view of reused
-    buffer i % ``buffers``, valid until frame i + ``buffers`` is read (fresh 8 MB
-    buffers per frame cost page faults that made decoding 4x slower; more than one
-    lets a reader decompress ahead while it uses a frame). Every malformed byte is
-    an IntegrityError naming ``where``; ``limit`` bounds what one frame may claim."""
-    z = _zstd()
+def first_frame(header: int) -> int:
+    """Bytes of the first frame of a file whose safetensors header (8 + JSON) is
+    ``header`` bytes: whole frames, the whole header in them."""
+    return max(1, -(-header // FRAME)) * FRAME
+
+
+def read_mode(f: BinaryIO, where: str) -> bytes:
+    """The image mode (TENSORS or RAW) of a delta file, read from its head."""
     head = f.read(len(MAGIC) + 1)
     if head[: len(MAGIC)] != MAGIC or head[len(MAGIC) :] not in (TENSORS, RAW):
         raise IntegrityError(f"{where} is not a delta file (bad magic {head[:7]!r})")
+    return head[len(MAGIC) :]
 
-    def frames() -> Iterator[np.ndarray]:
-        d = z.ZstdDecompressor()
-        ring = [np.empty(FRAME, np.uint8) for _ in range(max(1, buffers))]
-        i = 0
-        while True:
-            buf, i = ring[i % len(ring)], i + 1
-            lb = f.read(4)
-            if not lb:
-                return
-            if len(lb) != 4:
-                raise IntegrityError(f"{where} ends inside a frame length")
-            (n,) = struct.unpack("<I", lb)
-            c = f.read(n)
-            if len(c) != n:
-                raise IntegrityError(f"{where} ends inside a frame ({len(c)} of {n} bytes)")
-            try:
-                size = z.frame_content_size(c)
-                if size < 0 or size > limit:
-                    raise IntegrityError(f"{where}: a frame claims {size} bytes (limit {limit})")
-                if size > len(buf):
-                    buf = ring[(i - 1) % len(ring)] = np.empty(size, np.uint8)
-                got, out, reader = 0, memoryview(buf)[:size], d.stream_reader(c)
-                while got < size and (k := reader.readinto(out[got:])):
-                    got += k
-                if got != size or reader.read(1):
-                    raise IntegrityError(f"{where}: a frame holds {got} bytes, not {size}")
-            except z.ZstdError as e:
-                raise IntegrityError(f"{where}: a frame does not decompress ({e})") from e
-            yield buf[:size]
 
-    return head[len(MAGIC) :], frames()
+def compressed_frames(f: BinaryIO, where: str, limit: int) -> Iterator[tuple[bytes, int]]:
+    """(zstd frame, the bytes it decompresses to) of each frame after ``read_mode``.
+    Every malformed byte is an IntegrityError naming ``where``; ``limit`` bounds what
+    one frame may claim."""
+    z = _zstd()
+    while True:
+        lb = f.read(4)
+        if not lb:
+            return
+        if len(lb) != 4:
+            raise IntegrityError(f"{where} ends inside a frame length")
+        (n,) = struct.unpack("<I", lb)
+        c = f.read(n)
+        if len(c) != n:
+            raise IntegrityError(f"{where} ends inside a frame ({len(c)} of {n} bytes)")
+        try:
+            size = z.frame_content_size(c)
+        except z.ZstdError as e:
+            raise IntegrityError(f"{where}: a frame does not decompress ({e})") from e
+        if size < 0 or size > limit:
+            raise IntegrityError(f"{where}: a frame claims {size} bytes (limit {limit})")
+        yield c, size
+
+
+def decompress_into(c: bytes, out: np.ndarray, where: str) -> None:
+    """Decompress zstd frame ``c`` into all of ``out`` (uint8, its claimed size)."""
+    z = _zstd()
+    size, view = len(out), memoryview(out)
+    try:
+        got, reader = 0, z.ZstdDecompressor().stream_reader(c)
+        while got < size and (k := reader.readinto(view[got:])):
+            got += k
+        if got != size or reader.read(1):
+            raise IntegrityError(f"{where}: a frame holds {got} bytes, not {size}")
+    except z.ZstdError as e:
+        raise IntegrityError(f"{where}: a frame does not decompress ({e})") from e

@@ -1,11 +1,16 @@
-"""Binary writers that hash (sha256) and count bytes while they write, and the
-matching streaming verifiers for reads.
+"""Binary writers that hash and count bytes while they write, and the matching
+streaming verifiers for reads.
 
-Owns the fast path of publishing: on local disk the hash of a slice runs on a
-helper thread while the same slice is written (hashlib and file writes both
-release the GIL), so hashing overlaps the write. On S3, parts are uploaded
-concurrently by s3fs's event loop while the caller keeps producing bytes. Must
-not decide where files go or when they count as committed; the stores do that.
+A writer hashes what it writes with sha256 (the whole file), with the file's hash
+tree (``storage.tree``: a BLAKE3 hash per chunk, for weight files), or both: a
+publisher computes both, a reader that checks bytes against a tree only the tree.
+
+Owns the fast path of publishing: on local disk the hashes of a slice run on
+helper threads (the sha256 on one, each chunk's share on the chunk pool) while the
+same slice is written (hashlib, BLAKE3 and file writes all release the GIL), so
+hashing overlaps the write. On S3, parts are uploaded concurrently by s3fs's event
+loop while the caller keeps producing bytes. Must not decide where files go or
+when they count as committed; the stores do that.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
+from storage import tree
 from storage.errors import IntegrityError
+from storage.types import FileEntry
 
 # Writes smaller than this are gathered first: per-call thread hand-off only pays off for big chunks.
 _GATHER = 4 << 20
@@ -50,18 +57,38 @@ def _as_bytes_view(data: Any) -> memoryview:
     return mv
 
 
+def wait(futs: list[Future]) -> None:
+    """Wait for every future, then raise the first error: no hash may still read a
+    buffer its caller reuses."""
+    for f in futs:
+        f.exception()
+    for f in futs:
+        f.result()
+
+
 class HashingWriter:
     """Base: counts and hashes; subclasses move the bytes. Use as a context manager:
-    leaving the block normally finishes the file, an exception aborts it."""
+    leaving the block normally finishes the file, an exception aborts it.
 
-    def __init__(self, name: str, on_close: Callable[[HashingWriter], None] | None = None):
+    ``sha``: hash the whole file with sha256 (``sha256`` once closed); ``chunks``: the
+    chunk size of its hash tree (``digests`` once closed), None for no tree."""
+
+    def __init__(
+        self,
+        name: str,
+        on_close: Callable[[HashingWriter], None] | None = None,
+        sha: bool = True,
+        chunks: int | None = None,
+    ):
         self.name = name  # file name relative to the version/checkpoint folder
         self.bytes = 0
-        self._sha = hashlib.sha256()
+        self._sha: Any = hashlib.sha256() if sha else None
+        self._tree = tree.ChunkHasher(chunks) if chunks else None
         self._buf = bytearray()
         self._on_close = on_close
         self.closed = False
-        self.sha256: str | None = None  # set when closed
+        self.sha256: str | None = None  # set when closed (with sha)
+        self.digests: list[bytes] | None = None  # set when closed (with chunks)
 
     # -- file protocol ---------------------------------------------------------
     def writable(self) -> bool:
@@ -107,6 +134,14 @@ class HashingWriter:
     def _emit(self, mv: memoryview) -> None:
         raise NotImplementedError
 
+    def _hash(self, mv: memoryview) -> list[Future]:
+        """Start hashing ``mv`` on helper threads; wait for the futures (``wait``)
+        before the caller may reuse the buffer."""
+        futs = [] if self._sha is None else [_hash_pool().submit(self._sha.update, mv)]
+        if self._tree is not None:
+            futs += self._tree.feed(mv)
+        return futs
+
     def close(self) -> None:
         if self.closed:
             return
@@ -117,12 +152,23 @@ class HashingWriter:
             self.abort()  # its tail failed (disk full, an upload): it can never be finished
             raise
         self.closed = True
-        self.sha256 = self._sha.hexdigest()
+        if self._sha is not None:
+            self.sha256 = self._sha.hexdigest()
+        if self._tree is not None:
+            self.digests = self._tree.digests()
         if self._on_close is not None:
             self._on_close(self)
 
     def _finish(self) -> None:
         raise NotImplementedError
+
+    def entry(self) -> FileEntry:
+        """The manifest entry of the closed file: size, sha256 and (with chunks) tree."""
+        assert self.sha256 is not None, f"{self.name}: no sha256 (closed, with sha?)"
+        t = None
+        if self._tree is not None and self.digests is not None:
+            t = tree.make(self.bytes, self.sha256, self.digests, self._tree.chunk)
+        return FileEntry(name=self.name, bytes=self.bytes, sha256=self.sha256, tree=t)
 
     def abort(self) -> None:
         self.closed = True
@@ -149,8 +195,10 @@ class LocalHashingWriter(HashingWriter):
         path: str,
         on_close: Callable[[HashingWriter], None] | None = None,
         writeback: bool = True,
+        sha: bool = True,
+        chunks: int | None = None,
     ):
-        super().__init__(name, on_close)
+        super().__init__(name, on_close, sha, chunks)
         self.path = path
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._f = open(path, "wb", buffering=0)
@@ -158,7 +206,7 @@ class LocalHashingWriter(HashingWriter):
         self._writeback = writeback
 
     def _emit(self, mv: memoryview) -> None:
-        fut = _hash_pool().submit(self._sha.update, mv)
+        futs = self._hash(mv)
         try:
             write_all(self._f.fileno(), mv)
             if self._writeback:
@@ -167,7 +215,7 @@ class LocalHashingWriter(HashingWriter):
                 start_writeback(self._f.fileno(), self._off, mv.nbytes)
             self._off += mv.nbytes
         finally:
-            fut.result()  # the caller may reuse its buffer after write() returns
+            wait(futs)  # the caller may reuse its buffer after write() returns
 
     def _finish(self) -> None:
         self._f.close()
@@ -182,7 +230,7 @@ class NullHashingWriter(HashingWriter):
     object only needs its digest to decide "identical" or "conflict"."""
 
     def _emit(self, mv: memoryview) -> None:
-        self._sha.update(mv)
+        wait(self._hash(mv))
 
     def _finish(self) -> None:
         pass
@@ -200,8 +248,9 @@ class S3HashingWriter(HashingWriter):
         on_close: Callable[[HashingWriter], None] | None = None,
         part_size: int = 16 << 20,
         max_inflight: int = 8,
+        chunks: int | None = None,
     ):
-        super().__init__(name, on_close)
+        super().__init__(name, on_close, chunks=chunks)
         self._fs = fs
         self._bucket, self._key, _ = fs.split_path(path)
         self._path = path
@@ -212,8 +261,11 @@ class S3HashingWriter(HashingWriter):
         self._slots = threading.Semaphore(max_inflight)
 
     def _emit(self, mv: memoryview) -> None:
-        self._sha.update(mv)
-        self._pending += mv
+        futs = self._hash(mv)
+        try:
+            self._pending += mv
+        finally:
+            wait(futs)
         while len(self._pending) >= self._part_size:
             part = bytes(self._pending[: self._part_size])
             del self._pending[: self._part_size]
@@ -370,6 +422,14 @@ def write_all(fd: int, mv: memoryview) -> None:
     off, n = 0, mv.nbytes
     while off < n:
         off += os.write(fd, mv[off : off + WRITE_CHUNK])
+
+
+def pwrite_all(fd: int, mv: memoryview, off: int) -> None:
+    """Write all of ``mv`` at ``off`` of ``fd`` in WRITE_CHUNK syscalls; safe from
+    several threads at once for disjoint ranges."""
+    i, n = 0, mv.nbytes
+    while i < n:
+        i += os.pwrite(fd, mv[i : i + WRITE_CHUNK], off + i)
 
 
 def hash_file(path: str, chunk: int = READ_CHUNK) -> tuple[int, str]:

@@ -16,9 +16,10 @@ from typing import Literal
 
 import fsspec
 
+from storage import tree
 from storage.errors import IntegrityError, ManifestError
 from storage.fs import is_local, join, ls_all, read_bytes
-from storage.hashio import hash_file, hash_stream
+from storage.hashio import hash_stream
 from storage.layout import MANIFEST, TMP_PREFIX, parse_version, version_name
 from storage.manifests import parse_manifest
 from storage.types import FileEntry, WeightsManifest
@@ -33,8 +34,9 @@ def verify_dir(dir: str) -> WeightsManifest | None:
     """Check every file of a local weights folder against its own ``manifest.json``.
 
     Returns None when the folder has no manifest (it was never a committed copy),
-    else the manifest once each file's size and sha256 match (each file read once,
-    in READ_CHUNK pieces). Names must stay inside the folder: absolute names and
+    else the manifest once each file's size and hashes match: its chunk hashes and
+    their root, hashed on every core (``storage.tree``), or its sha256 for an entry
+    written before trees. Names must stay inside the folder: absolute names and
     '..' are refused by the manifest schema, and symlinks that resolve outside
     the folder are refused here. Raises IntegrityError / ManifestError (both
     StorageError) naming the file and the fix.
@@ -59,6 +61,7 @@ def verify_dir(dir: str) -> WeightsManifest | None:
         )
     for entry in m.files:
         _inside(root, dir, entry.name, m.version)
+    # Trees hash their chunks on every core; sha256-only files take a thread each.
     with ThreadPoolExecutor(max(1, min(_VERIFY_THREADS, len(m.files)))) as pool:
         for fut in [pool.submit(_check_local_file, dir, e, m.version) for e in m.files]:
             fut.result()
@@ -81,22 +84,9 @@ def _inside(root: str, dir: str, name: str, version: int | None) -> None:
 
 
 def _check_local_file(dir: str, entry: FileEntry, version: int) -> None:
-    path = os.path.join(dir, entry.name)
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise IntegrityError(f"{entry.name!r} is missing from {dir}; {_fix(version)}") from None
-    if size != entry.bytes:
-        raise IntegrityError(
-            f"{entry.name!r} in {dir} has {size} bytes, manifest says {entry.bytes} "
-            f"(truncated or replaced); {_fix(version)}"
-        )
-    n, sha = hash_file(path)
-    if n != entry.bytes or sha != entry.sha256:
-        raise IntegrityError(
-            f"{entry.name!r} in {dir}: sha256 {sha[:12]}... != manifest {entry.sha256[:12]}... "
-            f"(the bytes changed); {_fix(version)}"
-        )
+    why = tree.check_local(os.path.join(dir, entry.name), entry)
+    if why is not None:
+        raise IntegrityError(f"{entry.name!r} in {dir}: {why}; {_fix(version)}")
 
 
 def version_status(
@@ -149,23 +139,36 @@ def _sizes(fs: fsspec.AbstractFileSystem, vdir: str) -> dict[str, int]:
 def verify_version(
     fs: fsspec.AbstractFileSystem, weights_dir: str, version: int, manifest: WeightsManifest
 ) -> WeightsManifest:
-    """Hash every file of a stored version against ``manifest``; IntegrityError on the
-    first file that differs or is missing."""
+    """Hash every file of a stored version against ``manifest`` (its tree, or its
+    sha256 for an entry written before trees); IntegrityError on the first file that
+    differs or is missing."""
     vdir = join(weights_dir, version_name(version))
     fix = f"republish version {version} (publish-weights) or roll engines back to an older version"
     for entry in manifest.files:
         path = join(vdir, entry.name)
-        try:
-            if is_local(fs):
-                n, sha = hash_file(path)
-            else:
-                with fs.open(path, "rb", block_size=8 << 20) as f:
-                    n, sha = hash_stream(f)
-        except FileNotFoundError:
-            raise IntegrityError(f"{entry.name!r} is missing from {vdir}; {fix}") from None
-        if n != entry.bytes or sha != entry.sha256:
-            raise IntegrityError(
-                f"{entry.name!r} of {vdir}: {n} bytes sha256 {sha[:12]}..., manifest says "
-                f"{entry.bytes} bytes sha256 {entry.sha256[:12]}...; {fix}"
-            )
+        if is_local(fs):
+            why = tree.check_local(path, entry)
+        else:
+            try:
+                why = _check_remote(fs, path, entry)
+            except FileNotFoundError:
+                why = "missing"
+        if why is not None:
+            raise IntegrityError(f"{entry.name!r} of {vdir}: {why}; {fix}")
     return manifest
+
+
+def _check_remote(fs: fsspec.AbstractFileSystem, path: str, entry: FileEntry) -> str | None:
+    with fs.open(path, "rb", block_size=8 << 20) as f:
+        if entry.tree is not None:
+            n, digests = tree.stream_digests(f, entry.tree.chunk)
+            if n != entry.bytes:
+                return f"has {n} bytes, the manifest says {entry.bytes}"
+            return tree.problem(entry, digests)
+        n, sha = hash_stream(f)
+    if n != entry.bytes or sha != entry.sha256:
+        return (
+            f"sha256 {sha[:12]}... ({n} bytes), the manifest says sha256 "
+            f"{entry.sha256[:12]}... ({entry.bytes} bytes)"
+        )
+    return None

@@ -1,8 +1,9 @@
 """Pull a committed weight version into a local cache folder, verified.
 
 Owns the reader side of the commit protocol: only versions with a valid
-manifest are pulled; each file is hashed while it streams in and re-fetched on
-a mismatch; the cache folder appears (by rename) only when complete, with the
+manifest are pulled; each file is hashed while it streams in (its tree's chunks on
+every core, or its sha256 when its entry predates trees) and re-fetched on a
+mismatch; the cache folder appears (by rename) only when complete, with the
 manifest copied last. Must never write outside ``cache_dir/.tmp-*`` and
 ``cache_dir/v000012``.
 
@@ -23,7 +24,7 @@ is then the same bytes on disk as the version, not a second copy of them.
 A delta version (``storage.delta``) is pulled as its base first (into the same
 cache, verified, reused by every delta of it), then its stored files, then
 rebuilt in the staging folder (``storage.rebuild``: every full file checked
-against the sha256 recorded at publish); the folder that appears is a full HF
+against the tree recorded at publish); the folder that appears is a full HF
 folder whose manifest lists the full files, so loaders never see a delta.
 """
 
@@ -42,9 +43,10 @@ from contextlib import contextmanager
 
 import fsspec
 
+from storage import tree
 from storage.errors import IntegrityError, ManifestError, StorageError
 from storage.fs import dumps, is_local, join, read_bytes
-from storage.hashio import READ_CHUNK, LocalHashingWriter, hash_file
+from storage.hashio import READ_CHUNK, LocalHashingWriter
 from storage.integrity import verify_dir
 from storage.layout import MANIFEST, TMP_PREFIX, version_name
 from storage.manifests import parse_manifest
@@ -234,31 +236,42 @@ def _pull_file(
             # Checked before downloading: a truncated object would only waste a transfer.
             last = f"it has {actual} bytes, manifest says {entry.bytes}"
             continue
-        n, sha = _copy_hashing(fs, src, dst, entry.bytes, range_pool, lookahead)
-        if n == entry.bytes and sha == entry.sha256:
+        why = _copy_checked(fs, src, dst, entry, range_pool, lookahead)
+        if why is None:
+            tree.remember(dst, entry)  # a delta's rebuild trusts this base file's tree
             return
-        last = f"got {n} bytes sha256 {sha[:12]}..., manifest says {entry.bytes} bytes sha256 {entry.sha256[:12]}..."
+        last = why
     raise IntegrityError(
         f"{entry.name} of {version_dir} failed verification {1 + retries} times ({last}); "
         "the stored version is corrupt: republish it or roll engines back to another version"
     )
 
 
-def _copy_hashing(
+def _copy_checked(
     fs: fsspec.AbstractFileSystem,
     src: str,
     dst: str,
-    size: int,
+    entry: FileEntry,
     pool: ThreadPoolExecutor,
     lookahead: int,
-) -> tuple[int, str]:
-    """Put ``src`` at ``dst`` (which must not exist) and return its (bytes, sha256)."""
+) -> str | None:
+    """Put ``src`` at ``dst`` (which must not exist); None when its bytes are
+    ``entry``'s, else what differs. Checked by the entry's tree (its chunks hashed on
+    every core) or, for an entry written before trees, by its sha256."""
     if is_local(fs) and _try_link(src, dst):
         # Costs no copy; verification still reads every byte (of the very file served).
-        return hash_file(dst)
+        return tree.check_local(dst, entry)
+    size = entry.bytes
     chunks = _local_chunks(src) if is_local(fs) else _remote_chunks(fs, src, size, pool, lookahead)
-    # The hashing writer overlaps sha256 of a chunk with writing it to the cache.
-    out = LocalHashingWriter(os.path.basename(dst), dst, writeback=False)  # a cache: no fsync
+    # The hashing writer overlaps the hashes of a piece with writing it to the cache.
+    t = entry.tree
+    out = LocalHashingWriter(
+        os.path.basename(dst),
+        dst,
+        writeback=False,  # a cache: no fsync
+        sha=t is None,
+        chunks=None if t is None else t.chunk,
+    )
     try:
         for chunk in chunks:
             out.write(chunk)
@@ -266,8 +279,13 @@ def _copy_hashing(
         out.abort()
         raise
     out.close()
-    assert out.sha256 is not None
-    return out.bytes, out.sha256
+    if out.bytes != size:
+        return f"got {out.bytes} bytes, the manifest says {size}"
+    if out.digests is not None:
+        return tree.problem(entry, out.digests)
+    if out.sha256 != entry.sha256:
+        return f"got sha256 {str(out.sha256)[:12]}..., the manifest says {entry.sha256[:12]}..."
+    return None
 
 
 def _try_link(src: str, dst: str) -> bool:

@@ -57,7 +57,7 @@ CheckpointWriter = _ckpt.CheckpointWriter
 WeightsWriter = _weights.WeightsWriter
 DeltaWriter = _delta.DeltaWriter
 
-# The engines' default cache root (tasks.engine_control.cache_dir); a publisher pulls an
+# The engines' default cache root (tasks.serving.engine.cache_dir); a publisher pulls an
 # object-store base there, so a node that also runs engines keeps one copy of it.
 _DEFAULT_CACHE = "~/.cache/prefect-rl"
 

@@ -10,11 +10,45 @@ import hashlib
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from storage.layout import COMMIT, MANIFEST, check_file_name
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class FileTree(BaseModel):
+    """A file's hash tree (``storage.tree``): the hash of each fixed-size chunk and a
+    root over them, so readers hash chunks on every core and name a damaged one."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    algo: Literal["blake3"] = "blake3"  # the hash of each chunk and of the root
+    chunk: int = Field(gt=0)  # bytes per chunk, the last one shorter (storage.tree.CHUNK)
+    hashes: tuple[str, ...]  # lowercase hex hash of each chunk, in file order
+    root: str  # hex hash over the size, chunk size, sha256 and chunk hashes (tree.root_of)
+
+    @field_validator("hashes")
+    @classmethod
+    def _hexes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for i, h in enumerate(v):
+            if not _SHA256_RE.match(h):
+                raise ValueError(f"chunk hash {i} {h!r} is not 64 lowercase hex digits")
+        return v
+
+    @field_validator("root")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        if not _SHA256_RE.match(v):
+            raise ValueError(f"tree root {v!r} is not 64 lowercase hex digits")
+        return v
 
 
 class FileEntry(BaseModel):
@@ -24,7 +58,10 @@ class FileEntry(BaseModel):
 
     name: str  # relative to its folder; no absolute names, no '..'
     bytes: int = Field(ge=0)  # exact size in bytes
-    sha256: str  # lowercase hex digest of the whole file
+    sha256: str  # lowercase hex digest of the whole file (kept for tools that read it)
+    # Weight files: chunk hashes readers verify instead of the sha256. None: an entry
+    # written before trees (or a checkpoint's), checked by its sha256.
+    tree: FileTree | None = None
 
     @field_validator("sha256")
     @classmethod
@@ -32,6 +69,24 @@ class FileEntry(BaseModel):
         if not _SHA256_RE.match(v):
             raise ValueError(f"sha256 {v!r} is not 64 lowercase hex digits")
         return v
+
+    @model_validator(mode="after")
+    def _chunks(self) -> FileEntry:
+        t = self.tree
+        if t is not None and len(t.hashes) != -(-self.bytes // t.chunk):
+            raise ValueError(
+                f"the tree of {self.name!r} lists {len(t.hashes)} chunk hashes, but "
+                f"{self.bytes} bytes in chunks of {t.chunk} make {-(-self.bytes // t.chunk)}"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_no_tree(self, handler):  # noqa: ANN001, ANN202
+        # An entry without a tree is written exactly as before trees existed.
+        out = handler(self)
+        if self.tree is None:
+            out.pop("tree", None)
+        return out
 
 
 def _check_entries(files: tuple[FileEntry, ...], reserved: tuple[str, ...]) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import fsspec
 
-from storage import staging
+from storage import staging, tree
 from storage.errors import ManifestError, StorageError, VersionConflictError
 from storage.fs import dumps, fsync_dir, is_local, join, rm_tree, write_bytes
 from storage.hashio import (
@@ -147,10 +147,12 @@ class WeightsWriter:
                 raise StorageError(
                     f"file {name!r} was already written to {version_name(self.version)}; names must be unique"
                 )
-            if self._existing is not None:
+            if self._existing is not None:  # only its sha256 is compared (file_set)
                 w: HashingWriter = NullHashingWriter(name, self._closed)
             elif self._local:
-                w = LocalHashingWriter(name, join(self._stage, name), self._closed)
+                w = LocalHashingWriter(
+                    name, join(self._stage, name), self._closed, chunks=tree.CHUNK
+                )
             else:
                 w = S3HashingWriter(
                     name,
@@ -158,6 +160,7 @@ class WeightsWriter:
                     join(self._stage, name),
                     self._closed,
                     max_inflight=self._inflight,
+                    chunks=tree.CHUNK,
                 )
             self._open[name] = w
         orig_abort = w.abort
@@ -171,10 +174,9 @@ class WeightsWriter:
         return w
 
     def _closed(self, w: HashingWriter) -> None:
-        assert w.sha256 is not None
         with self._lock:
             self._open.pop(w.name, None)
-            self._done[w.name] = FileEntry(name=w.name, bytes=w.bytes, sha256=w.sha256)
+            self._done[w.name] = w.entry()
             if isinstance(w, LocalHashingWriter) and self._sync_pool is not None:
                 # fsync off the producer's thread so the next shard is written meanwhile.
                 self._fsyncs.append(self._sync_pool.submit(_fsync_path, w.path))

@@ -101,7 +101,8 @@ def test_damaged_delta_wrong_base_and_missing_base_are_refused(store, step_state
     assert not os.path.exists(tmp_path / "c1" / "v000001")
     store.fs.pipe_file(path, good)
 
-    # A damaged base copy (its size intact) is caught by the rebuilt file's sha256.
+    # A damaged base copy (its size intact): the base file is checked against its tree
+    # before its chunk hashes stand for the rebuilt file's unchanged chunks.
     c2 = tmp_path / "c2"
     store.pull(0, str(c2))
     shard = name.removesuffix(DELTA_SUFFIX)
@@ -110,7 +111,11 @@ def test_damaged_delta_wrong_base_and_missing_base_are_refused(store, step_state
     data[-3] ^= 0xFF
     os.unlink(b)  # the cache may be a hard link to the committed file
     b.write_bytes(bytes(data))
-    with pytest.raises(IntegrityError, match=rf"v000001 \(a delta of v000000\): rebuilt '{shard}'"):
+    with pytest.raises(
+        IntegrityError,
+        match=rf"v000001 \(a delta of v000000\): its base's '{shard}' .*: chunk 0 of 1 "
+        r"\(bytes 0-\d+\) hashes to .*the cached base is damaged",
+    ):
         store.pull(1, str(c2))
     assert not (c2 / "v000001").exists()
 
@@ -295,8 +300,8 @@ def test_files_that_do_not_line_up_with_the_base_still_rebuild_exactly(tmp_path)
 
 
 def test_a_file_of_many_frames_rebuilds_exactly_and_a_late_damage_is_refused(tmp_path):
-    """A file several zstd frames long (the reader decompresses ahead while it writes):
-    it rebuilds bit-exact; a base damaged inside its last frame is refused."""
+    """A file several zstd frames long (decoded on every core): it rebuilds bit-exact;
+    a base damaged inside its last frame is refused, its chunk named."""
     import numpy as np
 
     from storage.delta_format import FRAME
@@ -321,6 +326,8 @@ def test_a_file_of_many_frames_rebuilds_exactly_and_a_late_damage_is_refused(tmp
     damaged[n - 7] ^= 1
     os.unlink(b)  # the cache may be a hard link to the committed file
     open(b, "wb").write(damaged)
-    with pytest.raises(IntegrityError, match=r"v000001 \(a delta of v000000\): rebuilt 'big.bin'"):
+    with pytest.raises(
+        IntegrityError, match=r"v000001 \(a delta of v000000\): its base's 'big.bin' .*chunk 2 of 3"
+    ):
         store.pull(1, str(c2))
     assert not (c2 / "v000001").exists()

@@ -123,7 +123,9 @@ def test_verify_dir_flipped_byte(pulled):
     data = bytearray(open(path, "rb").read())
     data[12345] ^= 0x40
     open(path, "wb").write(bytes(data))
-    with pytest.raises(IntegrityError, match=r"'big.bin'.*sha256.*re-pull version 1"):
+    with pytest.raises(
+        IntegrityError, match=r"'big.bin'.*: chunk 0 of 1 \(bytes 0-3145728\).*re-pull version 1"
+    ):
         verify_dir(cache)
 
 

@@ -216,17 +216,17 @@ def test_transiently_bad_shard_is_refetched(store, tmp_path, monkeypatch):
 
     files = default_files(1)
     publish(store, 1, files)
-    real = pull_mod._copy_hashing
+    real = pull_mod._copy_checked
     calls = {"n": 0}
 
     def flaky(fs, src, dst, *a, **kw):
-        n, sha = real(fs, src, dst, *a, **kw)
+        why = real(fs, src, dst, *a, **kw)
         if src.endswith("model.safetensors") and calls["n"] == 0:
             calls["n"] += 1
-            return n, "0" * 64
-        return n, sha
+            return "chunk 0 hashes to 000000000000..., a fake flaky transfer"
+        return why
 
-    monkeypatch.setattr(pull_mod, "_copy_hashing", flaky)
+    monkeypatch.setattr(pull_mod, "_copy_checked", flaky)
     d = store.pull_version(1, str(tmp_path / "cache"), retries=2)
     assert calls["n"] == 1
     assert open(os.path.join(d, "model.safetensors"), "rb").read() == files["model.safetensors"]
@@ -247,20 +247,20 @@ def test_local_pull_links_and_refetch_never_writes_into_the_version(tmp_path, mo
     d = store.pull_version(1, str(tmp_path / "linked"))
     assert os.stat(os.path.join(d, "big.bin")).st_ino == os.stat(src).st_ino
 
-    real_copy, real_link = pull_mod._copy_hashing, pull_mod._try_link
+    real_copy, real_link = pull_mod._copy_checked, pull_mod._try_link
     attempts: list[str] = []
 
     def first_attempt_bad(fs, s, dst, *a, **kw):
-        n, sha = real_copy(fs, s, dst, *a, **kw)
+        why = real_copy(fs, s, dst, *a, **kw)
         if s.endswith("big.bin") and not attempts:
             attempts.append("linked, bad")
-            return n, "0" * 64
-        return n, sha
+            return "chunk 0 hashes to 000000000000..., a fake bad read"
+        return why
 
     def link_once(s, dst):
         return real_link(s, dst) if not attempts else False
 
-    monkeypatch.setattr(pull_mod, "_copy_hashing", first_attempt_bad)
+    monkeypatch.setattr(pull_mod, "_copy_checked", first_attempt_bad)
     monkeypatch.setattr(pull_mod, "_try_link", link_once)
     d2 = store.pull_version(1, str(tmp_path / "copied"), retries=1)
     assert attempts == ["linked, bad"]
