@@ -6,7 +6,8 @@
 # `sglang` SGLang's own site folder (.sglbundle/, ../shared/device/sglang/); both stay
 # under /tmp while the machine is held, so the stages can run as separate calls:
 #
-#   bash scripts/gpu_sglang.sh setup     # .devbundle: Ray, Prefect, torch_memory_saver
+#   bash scripts/gpu_sglang.sh bundle    # here: fill .devbundle/ (shared bundle + blake3, peft)
+#   bash scripts/gpu_sglang.sh setup     # .devbundle: Ray, Prefect, torch_memory_saver, blake3, peft
 #   bash scripts/gpu_sglang.sh sglang    # .sglbundle: SGLang 0.5.17 in /tmp/sgl
 #   bash scripts/gpu_sglang.sh bench     # push beside the seed's, pipeline with SGLang (BENCH_SET, BENCH_TAG)
 #   bash scripts/gpu_sglang.sh test [-k EXPR]  # pytest -m "gpu and sglang"
@@ -37,9 +38,19 @@ EOF
 }
 
 case "${1:-}" in
+bundle)
+    # Here, before the first GPU call: .devbundle/ = the shared device bundle plus the
+    # wheels the project needs beyond it (blake3: version hash trees; peft: train.lora).
+    mkdir -p .devbundle
+    cp ../shared/device/site.tar.xz ../shared/device/smoke.py \
+        ../shared/device/wheels/torch_memory_saver-*.whl .devbundle/
+    .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux2014_x86_64 "blake3>=1.0" "peft==0.21.2" -d .devbundle
+    ls -la .devbundle
+    ;;
 setup)
     tar -xJf .devbundle/site.tar.xz -C /tmp
-    python3 -m pip install -q --no-index --no-deps --target /tmp/devsite .devbundle/torch_memory_saver-*.whl
+    python3 -m pip install -q --no-index --no-deps --target /tmp/devsite .devbundle/*.whl
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     python3 -c "import torch, transformers, ray, prefect; print('torch', torch.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__, 'prefect', prefect.__version__)"
     python3 -m flows.cli tiny-model --shape qwen2-0.5b ~/.cache/prefect-rl/qwen2-0.5b >/dev/null
