@@ -39,7 +39,7 @@ def main() -> None:
             "run.save_interval": 2,
         },
     )
-    ctx, _, _ = run_plain(cfg, quiet=True)
+    ctx, _, _ = run_plain(cfg, quiet=True, keep_actors=True)  # the bench kills and restores them
     trainer, base = ctx.trainer(), ctx.base_model_path
     ctx.store.write_rollouts(5, ctx.store.read_rollouts(4))  # a step to run after recovery
 
