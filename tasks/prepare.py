@@ -222,9 +222,31 @@ def check_run(cfg: RunConfig, inputs: bool = True) -> str:
         # An enabled tracker without its package, a folder it cannot write, a silent server.
         tracking_config.check(cfg)
         warn_precision_gap(cfg, path)  # a run that trains, not a maintenance flow
+        check_lora_targets(cfg, path)
     if cfg.ray.address is not None:
         check_address(cfg.ray.address)  # a dead cluster fails in seconds, before any lease
     return path
+
+
+def check_lora_targets(cfg: RunConfig, path: str) -> None:
+    """``train.lora.target_modules`` against the base model's linear layers, on a model
+    built on the meta device (no weights read): a name it lacks would otherwise fail
+    train[k=1] after the lease, v0 and the first rollout."""
+    if cfg.train.lora is None:
+        return
+    import torch  # only here: a run without LoRA never pays for the import
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from training.lora import missing_targets
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    except Exception:  # the trainer's own load reports a model that will not build
+        return
+    problem = missing_targets(cfg.train.lora, model)
+    if problem:
+        raise ConfigError(f"{problem} ({path}); name those layers, or remove train.lora")
 
 
 def warn_precision_gap(cfg: RunConfig, path: str) -> str | None:

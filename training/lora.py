@@ -40,19 +40,28 @@ def linear_names(model: nn.Module) -> list[str]:
     )
 
 
+def missing_targets(cfg: LoraConfig, model: nn.Module) -> str | None:
+    """What is wrong with ``cfg.target_modules`` for ``model`` (a name it has no
+    linear layer called), or None."""
+    missing = set(cfg.target_modules) - set(linear_names(model))
+    if not missing:
+        return None
+    return (
+        f"train.lora.target_modules names {sorted(missing)}, which this model "
+        f"({type(model).__name__}) has no linear layer called; its linear layers are "
+        f"{linear_names(model)}"
+    )
+
+
 def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int) -> nn.Module:
     """Put ``cfg``'s adapters into ``model`` in place (A drawn from ``seed``, B zero:
     the adapted model starts as the base) and freeze everything else."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
-    missing = set(cfg.target_modules) - set(linear_names(model))
-    if missing:
-        raise ValueError(
-            f"train.lora.target_modules names {sorted(missing)}, which this model "
-            f"({type(model).__name__}) has no linear layer called; its linear layers are "
-            f"{linear_names(model)}"
-        )
+    problem = missing_targets(cfg, model)
+    if problem:
+        raise ValueError(problem)
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,

@@ -229,3 +229,14 @@ def test_an_fp32_trainer_beside_sglang_in_bf16_is_named_at_start(tmp_path, caplo
     assert warn_precision_gap(fp32_served, str(model)) is None
     # The embedded engine serves what the trainer holds.
     assert warn_precision_gap(_cfg(tmp_path), str(model)) is None
+
+
+# -- LoRA target modules (train.lora) ----------------------------------------------
+
+
+def test_a_lora_target_the_base_model_lacks_is_refused_before_any_run_state(tmp_path):
+    root = tmp_path / "runs"
+    with pytest.raises(ConfigError, match=r"\['qkv_proj'\].*linear layers are \[.*'q_proj'"):
+        check_run(_cfg(root, **{"train.lora.target_modules": ["q_proj", "qkv_proj"]}))
+    assert _no_run_state(root)
+    assert check_run(_cfg(root, **{"train.lora.target_modules": ["q_proj", "down_proj"]}))
