@@ -46,6 +46,9 @@ FROZEN_KEYS = (
     "rollout.n_samples_per_prompt",
     "train.backend",
     "train.num_workers",
+    # A LoRA run's checkpoints hold only its adapters: their shape and the base
+    # weights they sit on must stay what the run began with.
+    "train.lora",
 )
 
 

@@ -103,3 +103,25 @@ def test_a_target_module_the_model_lacks_is_refused_with_its_linear_layers(
 def test_bad_lora_settings_are_refused_at_load(train, match):
     with pytest.raises(ValidationError, match=match):
         TrainConfig(**train)
+
+
+def test_a_continued_run_cannot_change_its_adapters(tmp_path):
+    """Its checkpoints hold only the adapters: a continued run with other LoRA
+    settings, or none, is refused before any state, naming what changed."""
+    from tasks.config import ConfigError, RunConfig
+    from tasks.context import RunContext
+    from tasks.prepare import check_frozen
+
+    def ctx(lora: dict | None) -> RunContext:
+        cfg = RunConfig.model_validate(
+            {"storage": {"root": str(tmp_path)}, "train": {"lora": lora}}
+        )
+        return RunContext(cfg=cfg, base_model_path=str(tmp_path))
+
+    first = ctx({"rank": 4})
+    first.store.write_run_json({"config": first.cfg.model_dump(mode="json")})
+    assert check_frozen(ctx({"rank": 4})) is not None
+    with pytest.raises(ConfigError, match=r"train.lora \(was .*'rank': 4.*, now .*'rank': 8"):
+        check_frozen(ctx({"rank": 8}))
+    with pytest.raises(ConfigError, match=r"train.lora \(was .*'rank': 4.*, now None\)"):
+        check_frozen(ctx(None))
