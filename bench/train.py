@@ -302,6 +302,8 @@ def bench_row(
     actor.setup()
     actor.init_from_base(str(path))
     trainer_flags = global_flags()
+    if args.nondeterministic:  # what torch's deterministic algorithms cost the step
+        trainer_flags = (False, False, *trainer_flags[2:])
     plain = PlainLoop(path, torch.device(args.device))
     store = RunStore(sections.storage, name)
     mbs = {}  # the trainer's own micro-batches of each round, for the plain loop
@@ -320,7 +322,8 @@ def bench_row(
                 base.append(timed(partial(plain.step, mbs[k]), PLAIN_FLAGS, cuda))
     if args.profile:
         set_flags(trainer_flags)
-        print_profile(f"{name} / {label}", partial(actor.train_step, args.repeats + 2))
+        trace = args.trace and str(Path(args.trace) / f"{name}-{label}.json")
+        print_profile(f"{name} / {label}", partial(actor.train_step, args.repeats + 2), trace)
     peaks = (None, None)
     if cuda:  # each side's peak less the other side's resident state
         peaks = (
@@ -363,18 +366,56 @@ def figures(
     }
 
 
-def print_profile(title: str, step: Callable[[], object]) -> None:
-    """The top operators of one ``step()`` by device time (self time on CPU runs)."""
+def print_profile(title: str, step: Callable[[], object], trace: str | None) -> None:
+    """One ``step()`` under torch.profiler: its wall seconds beside the seconds the
+    device was busy (far apart means the host, not the kernels, sets the pace), then
+    the top operators by device time and by host time; ``trace`` writes the Chrome
+    trace there."""
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         step()
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.synchronize()
-    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
     print(f"\nprofile of one train step: {title}")
-    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+    if cuda:
+        busy = sum(getattr(e, "self_device_time_total", 0) for e in averages) / 1e6
+        launches = sum(e.count for e in averages if getattr(e, "self_device_time_total", 0))
+        print(
+            f"wall {wall:.3f} s, device busy {busy:.3f} s ({busy / wall:.0%}), {launches} kernels"
+        )
+        print(
+            averages.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
+        )
+    print(averages.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+    if trace:
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(trace)
+        print(f"wrote {trace}")
+
+
+def matmul_tflops(shapes: tuple[tuple[int, int, int], ...]) -> dict[str, float]:
+    """bf16 TFLOP/s of one GEMM per (m, k, n) on this card: what MFU can reach here
+    (cards of one kind differ in clocks and power limits)."""
+    out = {}
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize()
+        reps = 50
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        torch.cuda.synchronize()
+        out[f"{m}x{k}x{n}"] = 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e12
+    return out
 
 
 def device_name(device: str) -> str:
@@ -420,6 +461,12 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="run GPU shapes on CPU anyway")
     ap.add_argument("--out", help="JSON path (default bench/results/train_<device>.json)")
     ap.add_argument("--profile", action="store_true", help="print one step's torch.profiler table")
+    ap.add_argument(
+        "--nondeterministic",
+        action="store_true",
+        help="trainer steps without torch's deterministic algorithms (to see their cost)",
+    )
+    ap.add_argument("--trace", help="with --profile: a folder for each row's Chrome trace")
     args = ap.parse_args()
     transformers.utils.logging.disable_progress_bar()  # a bar per load buries the table
     if args.device == "cuda" and not cuda:
@@ -438,6 +485,9 @@ def main() -> None:
             )
     common = ([f"train.backend={args.backend}"] if args.backend else []) + args.set
     variants = [parse_variant(v) for v in args.variants] or [("default", [])]
+    # The card's own GEMM rate: a square one, and one of the 0.5B shape's MLP GEMMs
+    # at a micro-batch of 16 x 256 tokens.
+    gemm = matmul_tflops(((8192, 8192, 8192), (4096, 896, 4864))) if args.device == "cuda" else {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -460,6 +510,10 @@ def main() -> None:
     plain = "fp32 master + bf16 autocast, TF32" if args.device == "cuda" else "fp32, no autocast"
     print(f"\ntrain step vs plain PyTorch ({plain}) on {device}, torch {torch.__version__}")
     print(f"median of {args.repeats} after 1 warm-up; MFU = 6*N*tokens/s over peak {peak}")
+    if gemm:
+        print(
+            "this card's bf16 GEMM: " + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in gemm.items())
+        )
     for label, sets in variants:
         print(f"  variant {label}: {' '.join(common + sets) or 'bench defaults'}")
     print()
@@ -473,6 +527,7 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "peak_tflops": args.peak_tflops,
+        "gemm_tflops": gemm,
         "mfu_flops_per_token": "6 * params (forward + backward)",
         "plain_loop": plain,
         "repeats": args.repeats,

@@ -38,6 +38,10 @@ with ``training``, which this package never imports.
   ``security`` (token, browser and path rules), ``weights`` (all-or-nothing
   checks of a state dict against a model).
 - ``embedded/``: the embedded torch engine (its own ``__init__`` lists its parts).
+  LoRA adapter versions are served through SGLang's adapter API on both kinds
+  (``load_lora_adapter``, ``load_lora_adapter_from_tensors``, ``/v1/models``;
+  a request names its adapter in ``lora_path``); the embedded engine holds one,
+  merged into its weights (``embedded.adapters``).
 - ``sglang/``: a real SGLang server per engine (process, actor, the checks the
   actor makes before its server loads a folder).
 """

@@ -47,7 +47,7 @@ def _message(resp: httpx.Response) -> str:
         err = body.get("error")
         if isinstance(err, dict) and "message" in err:
             return str(err["message"])
-        for key in ("message", "detail"):
+        for key in ("message", "error_message", "detail"):
             if key in body:
                 return str(body[key])
     return str(body)
@@ -160,8 +160,10 @@ class EngineClient:
         return_logprob: bool | list[bool] = False,
         text: str | list[str] | None = None,
         rid: str | list[str] | None = None,
+        lora_path: str | None = None,
     ) -> dict | list[dict]:
-        """``/generate``: a dict for one prompt (n=1), else a list in prompt-major order."""
+        """``/generate``: a dict for one prompt (n=1), else a list in prompt-major order.
+        ``lora_path``: the name of the adapter every prompt samples from."""
         body: dict[str, Any] = {"return_logprob": return_logprob}
         if input_ids is not None:
             body["input_ids"] = input_ids
@@ -171,6 +173,8 @@ class EngineClient:
             body["sampling_params"] = sampling_params
         if rid is not None:
             body["rid"] = rid
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         return self._json("POST", "/generate", body)
 
     def health(self) -> bool:
@@ -216,6 +220,39 @@ class EngineClient:
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         return self._json("POST", "/update_weights_from_disk", body)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """Serve the peft folder ``lora_path`` as adapter ``lora_name``; a refused load
+        raises EngineHTTPError."""
+        body = {"lora_name": lora_name, "lora_path": lora_path}
+        return self._json("POST", "/load_lora_adapter", body)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        return self._json("POST", "/unload_lora_adapter", {"lora_name": lora_name})
+
+    def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        config_dict: dict[str, Any],
+        serialized_named_tensors: list[str],
+        load_format: str = "flattened_bucket",
+        expected_checksums: dict[str, str] | None = None,
+    ) -> dict:
+        """An adapter's tensors as one payload per TP rank (``wire.sglang_payload``);
+        ``expected_checksums``: sha256 of each tensor's bytes, checked by the server."""
+        body: dict[str, Any] = {
+            "lora_name": lora_name,
+            "config_dict": config_dict,
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+        }
+        if expected_checksums is not None:
+            body["expected_checksums"] = expected_checksums
+        return self._json("POST", "/load_lora_adapter_from_tensors", body)
+
+    def models(self) -> list[str]:
+        """The ids ``/v1/models`` lists: the base model's, then each loaded adapter's."""
+        return [str(card["id"]) for card in self._json("GET", "/v1/models")["data"]]
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> dict:
         body = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}

@@ -55,6 +55,7 @@ def generate_rows(
     restart: RestartFn,
     max_restarts: int,
     call_timeout_s: float | None,
+    lora_path: str | None = None,
 ) -> list[list[GenerateResult]]:
     """Generate each of group g's rows ``rows[g]`` with its ``params[g]`` entry
     (a partial rollout's continuation: a sample's prompt and its tokens so far).
@@ -62,7 +63,8 @@ def generate_rows(
     call, never decoded with another call's rows: the result is a function of
     the request and the weights, not of timing. A dead engine is restarted
     (``restart(i)``) at most ``max_restarts`` times and its share sent again
-    whole, so no group mixes versions; CallTimeout after ``call_timeout_s``."""
+    whole, so no group mixes versions; CallTimeout after ``call_timeout_s``.
+    ``lora_path``: the adapter every row samples from (None: the base weights)."""
     if len(params) != len(rows) or any(len(p) != len(r) for p, r in zip(params, rows)):
         raise ValueError("params must hold one dict for each row")
     handles = engines.handles()
@@ -77,7 +79,10 @@ def generate_rows(
     def send(i: int) -> ray.ObjectRef:
         share = shares[i]
         flat = [row for g in share for row in rows[g]]
-        return handles[i].generate.remote(flat, [p for g in share for p in params[g]])
+        share_params = [p for g in share for p in params[g]]
+        if lora_path is None:
+            return handles[i].generate.remote(flat, share_params)
+        return handles[i].generate.remote(flat, share_params, lora_path=lora_path)
 
     inflight = {send(i): i for i in order if any(rows[g] for g in shares[i])}
     while inflight:

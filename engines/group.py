@@ -43,7 +43,7 @@ from engines.client import EngineClient
 from engines.config import EngineConfig
 from engines.dispatch import RestartFn
 from engines.node_pull import pull_on_node
-from engines.types import GenerateResult
+from engines.types import AdapterServing, GenerateResult
 from storage.config import StorageConfig
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,12 @@ class EngineGroup:
         placement: SharedPlacement | None = None,
         call_timeout_s: float | None = None,
         weights_run: str | None = None,
+        adapters: AdapterServing | None = None,
     ) -> None:
+        """``adapters``: the run's versions are LoRA adapters; SGLang servers are
+        launched to serve them."""
         self.run_name = run_name
+        self.adapters = adapters
         # The run whose versions ``pull`` reads (default run_name): an evaluation's
         # group has names of its own and loads another run's versions.
         self.weights_run = weights_run or run_name
@@ -214,6 +218,8 @@ class EngineGroup:
         kwargs: dict[str, Any] = {}
         if rank_bundles:
             kwargs["rank_bundles"] = rank_bundles
+        if self.adapters is not None and self.cfg.kind == "sglang":
+            kwargs["adapters"] = self.adapters
         if self.cfg.kind == "sglang":
             from engines.sglang.engine import actor_class as sglang_actor_class
 
@@ -271,7 +277,8 @@ class EngineGroup:
         return pg, list(range(len(bundles)))
 
     def _default_restart(self, i: int) -> None:
-        """Restart ``i`` with the version a live peer serves, else start()'s."""
+        """Restart ``i`` with the version a live peer serves (one serving full weights:
+        an adapter is loaded by the run's own restart), else start()'s."""
         path, version = self.model_path, self.weight_version
         for j, h in self.handles().items():
             if j == i:
@@ -279,6 +286,8 @@ class EngineGroup:
             try:
                 info = ray.get(h.model_info.remote(), timeout=self.cfg.health_timeout_s)
             except (RayActorError, GetTimeoutError):
+                continue
+            if info.get("lora_name"):  # base + adapter: its model_path alone is not that
                 continue
             path, version = info["model_path"], int(info["weight_version"])
             break
@@ -296,11 +305,12 @@ class EngineGroup:
         seeds: list[list[int]],
         restart_fn: RestartFn | None = None,
         max_restarts: int = 2,
+        lora_path: str | None = None,
     ) -> list[list[GenerateResult]]:
         """``n`` samples per prompt, in prompt order; ``seeds[g][j]``: sample j of
         prompt g's sampling_seed. Dispatch and restarts: ``generate_rows``."""
         rows, params = dispatch.group_rows(prompts, n, sampling, seeds)
-        return self.generate_rows(rows, params, restart_fn, max_restarts)
+        return self.generate_rows(rows, params, restart_fn, max_restarts, lora_path)
 
     def generate_rows(
         self,
@@ -308,14 +318,16 @@ class EngineGroup:
         params: list[list[dict[str, Any]]],
         restart_fn: RestartFn | None = None,
         max_restarts: int = 2,
+        lora_path: str | None = None,
     ) -> list[list[GenerateResult]]:
         """Group g's rows ``rows[g]`` with its ``params[g]`` entry, group g on engine
         ``g % engines`` in one call (``dispatch.generate_rows``). A dead engine is
         restarted by ``restart_fn(i)`` (default: at the version a live peer serves)
-        at most ``max_restarts`` times and its share sent again whole."""
+        at most ``max_restarts`` times and its share sent again whole. ``lora_path``:
+        the adapter version every row samples from (``wire.lora.adapter_name``)."""
         restart = restart_fn or self._default_restart
         return dispatch.generate_rows(
-            self, rows, params, restart, max_restarts, self.call_timeout_s
+            self, rows, params, restart, max_restarts, self.call_timeout_s, lora_path
         )
 
     # ---- HTTP -------------------------------------------------------------

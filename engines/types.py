@@ -24,6 +24,16 @@ PauseMode = Literal["abort", "in_place", "retract"]
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 
+@dataclass(frozen=True)
+class AdapterServing:
+    """What an engine must be able to serve when every version after v0 is a LoRA
+    adapter (``train.lora``): an SGLang server is launched with these limits."""
+
+    max_rank: int  # --max-lora-rank: the adapters' rank
+    target_modules: tuple[str, ...]  # --lora-target-modules: the modules they change
+    max_loaded: int  # --max-loaded-loras: versions kept at once (staleness + 2)
+
+
 class EngineDeadError(RuntimeError):
     """The engine's decode loop has died; the engine must be restarted. Raised in an
     embedded engine's actor, caught by the driver's dispatch (``engines.dispatch``)."""
@@ -180,6 +190,7 @@ class GenerateBody(_Body):
     logprob_start_len: int | list[int] | None = None  # accepted; only output logprobs return
     return_text_in_logprobs: bool = False  # accepted; logprob entries carry None as text
     stream: bool = False
+    lora_path: str | list[str | None] | None = None  # the adapter each prompt samples from
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateBody:
@@ -203,6 +214,20 @@ class UpdateWeightsFromDiskBody(_Body):
     keep_pause: bool = False  # accepted; an update never pauses this engine itself
     recapture_cuda_graph: bool = False  # accepted; no CUDA graphs here
     token_step: int = 0  # accepted; not recorded
+
+
+class LoadLoRAAdapterBody(_Body):
+    """``LoadLoRAAdapterReqInput``: serve the peft folder ``lora_path`` as ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False  # accepted; the embedded engine holds one adapter, never evicted
+
+
+class UnloadLoRAAdapterBody(_Body):
+    """``UnloadLoRAAdapterReqInput``."""
+
+    lora_name: str
 
 
 class UpdateWeightVersionBody(_Body):

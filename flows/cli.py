@@ -123,11 +123,19 @@ def _materialize(args: argparse.Namespace) -> int:
 
     try:
         cfg = StorageConfig(root=args.root, s3=S3Options(endpoint_url=args.s3_endpoint_url))
-        out = RunStore(cfg, args.run).materialize(args.version, args.dir)
+        store = RunStore(cfg, args.run)
+        adapter = store.read_manifest(args.version).adapter is not None
+        if adapter and not args.adapter_only:  # merged into its base: a plain HF folder
+            from training.export import merge_adapter
+
+            out, what = merge_adapter(store, args.version, args.dir), "merged into its base"
+        else:
+            out = store.materialize(args.version, args.dir)
+            what = "as its peft adapter folder" if adapter else "as a full HF folder"
     except (StorageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"v{args.version} of run {args.run!r} as a full HF folder (verified) in {out}")
+    print(f"v{args.version} of run {args.run!r} {what} (verified) in {out}")
     return 0
 
 
@@ -264,13 +272,20 @@ def main(argv: list[str] | None = None) -> int:
     runs.set_defaults(fn=_runs)
     mat = sub.add_parser(
         "materialize",
-        help="write a weight version (a delta rebuilt from its base) as a full HF folder",
+        help="write a weight version as a full HF folder (a delta rebuilt, an adapter "
+        "merged into its base)",
     )
     mat.add_argument("run", help="run name")
     mat.add_argument("version", type=int, help="weight version, e.g. 12")
     mat.add_argument("dir", help="new folder to write")
     mat.add_argument("--root", default="runs", help="storage.root (default: runs)")
     mat.add_argument("--s3-endpoint-url", default=None, help="storage.s3.endpoint_url")
+    mat.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA adapter version: write its peft folder as is instead of merging it "
+        "into its base",
+    )
     mat.set_defaults(fn=_materialize)
     imp = sub.add_parser(
         "import-model",

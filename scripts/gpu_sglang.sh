@@ -249,7 +249,8 @@ peers)
     done
     project=/tmp/peers/peers_project.json
     [ -f "$project" ] || project=bench/results/smollm2_gpu_s0_seed0.json
-    python3 -m bench.peers.compare "$project" $(ls /tmp/peers/peers_{trl,verl}.json 2>/dev/null) |
+    python3 -m bench.peers.compare "$project" $(ls /tmp/peers/peers_{trl,verl}.json 2>/dev/null) \
+        --plot "$OUT/peers.png" |
         tee "$OUT/peers_compare.txt"
     ;;
 *)

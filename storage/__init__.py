@@ -27,6 +27,11 @@ Contracts:
   Only a pull reads one: it rebuilds the full files and verifies each chunk as it
   writes it, taking unchanged chunks' hashes from the base's tree (``storage.rebuild``);
   ``verify_dir`` refuses a delta folder. Retention keeps a kept delta's base.
+- A version may be a LoRA adapter of a full version (``storage.adapters``: peft's
+  ``adapter_model.safetensors`` and ``adapter_config.json``, hashed like any file;
+  its manifest names the base version and the digest of the base's files). A pull
+  refuses it when the base is missing or of other bytes, and so do engines that hold
+  another base. Retention keeps a kept adapter's base.
 - ``check_root(cfg)`` before anything starts turns bad roots into clear errors.
 - Imports neither prefect, ray nor torch.
 """

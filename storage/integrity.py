@@ -118,10 +118,10 @@ def version_status(
         if got != f.bytes:
             what = "is missing" if got is None else f"has {got} bytes, manifest says {f.bytes}"
             return "damaged", f"{f.name!r} of {vdir} {what}"
-    if m.delta is not None:  # unreadable without its base (retention keeps it)
-        base = join(weights_dir, version_name(m.delta.base), MANIFEST)
-        if not fs.exists(base):
-            return "damaged", f"{vdir} is a delta of v{m.delta.base}, whose {base} is missing"
+    # Unreadable (a delta) or unservable (an adapter) without its base: retention keeps it.
+    for kind, of in (("delta", m.delta), ("adapter", m.adapter)):
+        if of is not None and not fs.exists(join(weights_dir, version_name(of.base), MANIFEST)):
+            return "damaged", f"{vdir} is {kind} of v{of.base}, whose {MANIFEST} is missing"
     return "committed", ""
 
 

@@ -18,6 +18,9 @@ LEASE_FENCES = "lease-fences"
 MANIFEST = "manifest.json"
 COMMIT = "COMMIT"
 METRICS_JSONL = "metrics.jsonl"
+# An adapter version's files, as peft's save_pretrained names them.
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 # Staging folders and files start with this; listings skip them.
 TMP_PREFIX = ".tmp-"
 

@@ -2,9 +2,9 @@
 
 Owns deletion. Rules: keep the last ``keep_last`` committed versions and
 checkpoints; never delete a version an engine serves (engines/*.json) or one
-a kept checkpoint points to (meta ``weights_version``), nor the base of a delta version
-that is kept (``storage.delta``: one link, so no chain to follow). v0 gets no special
-treatment. A commit marker is deleted FIRST, so a reader sees the version
+a kept checkpoint points to (meta ``weights_version``), nor the base of a delta or
+adapter version that is kept (``storage.delta``, ``storage.adapters``: one link, so no
+chain to follow). v0 gets no special treatment. A commit marker is deleted FIRST, so a reader sees the version
 either whole or absent, never torn. Local staging that no live writer holds
 (``storage.staging``) goes too. Only the lease holder should call this.
 """
@@ -55,9 +55,9 @@ def gc(
         if isinstance(wv, int) and wv not in keep_v and wv in versions:
             protected.setdefault(wv, f"referenced by kept checkpoint {k}")
     keep_v |= set(protected)
-    for v, base in _delta_bases(fs, wdir, sorted(keep_v)).items():
+    for v, (kind, base) in _bases(fs, wdir, sorted(keep_v)).items():
         if base not in keep_v and base in versions:
-            protected.setdefault(base, f"base of kept delta version {v}")
+            protected.setdefault(base, f"base of kept {kind} version {v}")
     keep_v |= set(protected)
 
     deleted_v = [v for v in versions if v not in keep_v]
@@ -86,9 +86,12 @@ def gc(
     )
 
 
-def _delta_bases(fs: fsspec.AbstractFileSystem, wdir: str, versions: list[int]) -> dict[int, int]:
-    """delta version -> its base, of ``versions``. A manifest that no longer reads is
-    left out: that version is damaged, and deleting its base loses nothing more."""
+def _bases(
+    fs: fsspec.AbstractFileSystem, wdir: str, versions: list[int]
+) -> dict[int, tuple[str, int]]:
+    """delta or adapter version -> (its kind, its base), of ``versions``. A manifest that
+    no longer reads is left out: that version is damaged, and deleting its base loses
+    nothing more."""
     out = {}
     for v in versions:
         try:
@@ -96,7 +99,9 @@ def _delta_bases(fs: fsspec.AbstractFileSystem, wdir: str, versions: list[int]) 
         except ManifestError:
             continue
         if m.delta is not None:
-            out[v] = m.delta.base
+            out[v] = ("delta", m.delta.base)
+        elif m.adapter is not None:
+            out[v] = ("adapter", m.adapter.base)
     return out
 
 

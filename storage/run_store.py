@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import fsspec
 
+from storage import adapters as _adapters
 from storage import checkpoints as _ckpt
 from storage import delta as _delta
 from storage import integrity as _integrity
@@ -45,11 +46,11 @@ from storage import pull as _pull
 from storage import retention as _retention
 from storage import weights as _weights
 from storage.config import StorageConfig
-from storage.errors import StorageError
+from storage.errors import ManifestError, StorageError
 from storage.fs import dumps, is_local, join, open_root, read_json, write_bytes
 from storage.hashio import VerifyingReader
 from storage.layout import LEASE_JSON, RUN_JSON, check_run_name, iter_name, version_name
-from storage.types import GcReport, Lease, Pulled, WeightsManifest
+from storage.types import AdapterOf, GcReport, Lease, Pulled, WeightsManifest
 
 log = logging.getLogger("storage")
 
@@ -198,6 +199,11 @@ class RunStore:
     def committed_versions(self) -> list[int]:
         return _weights.committed_versions(self.fs, self._weights_dir)
 
+    def adapter_of(self, base: int = 0) -> AdapterOf:
+        """What an adapter version trained on full version ``base`` records
+        (``WeightsWriter.commit(adapter=...)``): ``base`` and its files' digest."""
+        return _adapters.adapter_of(self.read_manifest(base))
+
     def latest_version(self) -> int | None:
         vs = self.committed_versions()
         return vs[-1] if vs else None
@@ -256,8 +262,9 @@ class RunStore:
 
     def materialize(self, version: int, dest: str) -> str:
         """Write ``version`` as a full HF folder at ``dest`` (a new local folder): the
-        verified pull (a delta rebuilt from its base) into a private cache beside it,
-        then renamed into place. Returns ``dest``."""
+        verified pull (a delta rebuilt from its base; an adapter version's peft folder as
+        it is, which ``training.export.merge_adapter`` merges instead) into a private
+        cache beside it, then renamed into place. Returns ``dest``."""
         dest = os.path.abspath(os.path.expanduser(dest))
         if os.path.exists(dest):
             raise StorageError(f"{dest} exists; materialize writes a new folder, pick another")
@@ -286,6 +293,12 @@ class RunStore:
         callers pull at once); ``verify_cached`` also hashes a reused copy and pulls it
         again if it changed (see storage.pull)."""
         manifest = self.read_manifest(version)
+        if manifest.adapter is not None:  # never handed out for another base
+            try:
+                base: WeightsManifest | None = self.read_manifest(manifest.adapter.base)
+            except ManifestError:
+                base = None
+            _adapters.check_base(manifest, base)
         return _pull.pull_version(
             self.fs, self.version_url(version), manifest, cache_dir, workers, retries, verify_cached
         )

@@ -119,6 +119,18 @@ class DeltaOf(BaseModel):
         return self
 
 
+class AdapterOf(BaseModel):
+    """What makes a version a LoRA adapter (``train.lora``): its files are peft's
+    (``adapter_model.safetensors``, ``adapter_config.json``), to be applied to the full
+    version ``base``, and only to the very bytes it was trained on."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base: int = Field(ge=0)  # the full version the adapter applies to (v0, the base model)
+    base_digest: str  # WeightsManifest.digest() of the base: another base is refused
+    format: Literal["peft-lora"] = "peft-lora"  # peft's adapter files, key names as it saves them
+
+
 class WeightsManifest(BaseModel):
     """``weights/v000012/manifest.json``. Written last: its presence is the commit."""
 
@@ -133,6 +145,8 @@ class WeightsManifest(BaseModel):
     files: tuple[FileEntry, ...]  # every file of the version except manifest.json
     # Set: the version is a delta; ``files`` are what is stored, ``delta.full`` what it rebuilds to.
     delta: DeltaOf | None = None
+    # Set: the version is a LoRA adapter of a full version (its files are peft's).
+    adapter: AdapterOf | None = None
 
     @model_validator(mode="after")
     def _names(self) -> WeightsManifest:
@@ -141,12 +155,20 @@ class WeightsManifest(BaseModel):
             raise ValueError(
                 f"delta base v{self.delta.base} is not older than version {self.version}"
             )
+        if self.adapter is not None and self.delta is not None:
+            raise ValueError("a version is an adapter or a delta, never both")
+        if self.adapter is not None and self.adapter.base >= self.version:
+            raise ValueError(
+                f"adapter base v{self.adapter.base} is not older than version {self.version}"
+            )
         return self
 
     def dump(self) -> dict:
-        """The JSON form written to manifest.json; a full version's has no ``delta`` key
-        (so its bytes are what they were before deltas existed)."""
-        return self.model_dump(mode="json", exclude=None if self.delta else {"delta"})
+        """The JSON form written to manifest.json; a full version's has neither a
+        ``delta`` nor an ``adapter`` key (so its bytes are what they were before either
+        existed)."""
+        unset = {k for k in ("delta", "adapter") if getattr(self, k) is None}
+        return self.model_dump(mode="json", exclude=unset or None)
 
     def rebuilt(self) -> WeightsManifest:
         """The manifest of the full folder a reader builds: ``delta.full`` as its files."""

@@ -42,7 +42,7 @@ from storage.hashio import (
 from storage.integrity import verify_dir
 from storage.layout import MANIFEST, TMP_PREFIX, check_file_name, version_name
 from storage.manifests import committed_versions, parse_manifest, read_manifest
-from storage.types import DeltaOf, FileEntry, WeightsManifest
+from storage.types import AdapterOf, DeltaOf, FileEntry, WeightsManifest
 
 log = logging.getLogger("storage")
 
@@ -195,9 +195,12 @@ class WeightsWriter:
         with self._lock:
             return dict(self._done)
 
-    def commit(self, delta: DeltaOf | None = None) -> WeightsManifest:
+    def commit(
+        self, delta: DeltaOf | None = None, adapter: AdapterOf | None = None
+    ) -> WeightsManifest:
         """Write manifest.json last (the commit) and return it; ``delta`` makes the
-        version a delta of ``delta.base`` (``storage.delta.DeltaWriter`` passes it)."""
+        version a delta of ``delta.base`` (``storage.delta.DeltaWriter`` passes it),
+        ``adapter`` a LoRA adapter of ``adapter.base`` (``RunStore.adapter_of``)."""
         with self._lock:
             if self._failed:
                 raise StorageError(
@@ -224,6 +227,7 @@ class WeightsWriter:
                 created_at=time.time(),
                 files=tuple(sorted(self._done.values(), key=lambda f: f.name)),
                 delta=delta,
+                adapter=adapter,
             )
             if self._local:
                 return self._commit_local(m)

@@ -168,6 +168,8 @@ class RunConfig(BaseModel):
             _check_broadcast_devices(self)
         _check_node_pinning(self)
         _check_sglang_transport(self)
+        if self.train.lora is not None:
+            _check_lora_serving(self)
         return self
 
     @model_validator(mode="after")
@@ -242,6 +244,32 @@ def _check_sglang_transport(cfg: RunConfig) -> None:
             "weights from GPU to GPU (CUDA IPC or NCCL), but train.num_gpus_per_worker="
             f"{cfg.train.num_gpus_per_worker:g} and engines.num_gpus_per_engine="
             f"{cfg.engines.num_gpus_per_engine:g}; give both GPUs, or use weights.transport: disk"
+        )
+
+
+def _check_lora_serving(cfg: RunConfig) -> None:
+    """With train.lora every version after v0 is an adapter (``storage.adapters``):
+    refuse the settings that cannot publish or serve one."""
+    if cfg.weights.delta == "on":
+        raise ValueError(
+            "weights.delta: on stores versions as XOR deltas of full ones, but with train.lora "
+            "every version is already only its adapters (a few MB); set weights.delta: off"
+        )
+    if cfg.weights.transport == "distributed":
+        raise ValueError(
+            "weights.transport 'distributed' broadcasts full weights, but with train.lora "
+            "engines load adapters; use weights.transport: tensor, disk or object-store"
+        )
+    if cfg.engines.kind == "sglang" and cfg.rollout.environment != "none":
+        raise ValueError(
+            "multi-turn episodes (rollout.environment) call SGLang's /generate without naming "
+            "the adapter version each turn samples from; with train.lora and engines.kind "
+            "sglang set rollout.environment: none, or use engines.kind: embedded"
+        )
+    if cfg.engines.kind == "embedded" and cfg.engines.tp_size > 1:
+        raise ValueError(
+            "the embedded engine serves LoRA adapters on one rank, but engines.tp_size is "
+            f"{cfg.engines.tp_size}; set engines.tp_size: 1, or remove train.lora"
         )
 
 

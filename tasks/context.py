@@ -78,6 +78,21 @@ class RunContext:
             placement=self.placement(),
             # The step's deadline: every wait on an engine ends by it (actors.deadline).
             call_timeout_s=self.cfg.tasks.timeout_s,
+            adapters=self.adapters(),
+        )
+
+    def adapters(self):  # -> engines.types.AdapterServing | None
+        """With train.lora, what engines must serve: adapters of its rank and modules,
+        as many at once as the staleness keeps in use, plus the one being loaded."""
+        from engines.types import AdapterServing
+
+        lora = self.cfg.train.lora
+        if lora is None:
+            return None
+        return AdapterServing(
+            max_rank=lora.rank,
+            target_modules=tuple(sorted(lora.target_modules)),
+            max_loaded=self.cfg.rollout.max_staleness + 2,
         )
 
     def trainer(self):  # -> TrainGroup, or ActorCriticGroup for PPO (training.actor_critic)

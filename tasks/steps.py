@@ -21,7 +21,13 @@ from tasks import faults, retention, runner, tracking
 from tasks.evaluation.step import EVALUATE
 from tasks.metrics_row import metrics_row
 from tasks.phases import phase
-from tasks.rollouts.partial import ROLLOUT_HEAD, continue_rollout, engines_serve, restarter
+from tasks.rollouts.partial import (
+    ROLLOUT_HEAD,
+    continue_rollout,
+    engines_serve,
+    on_version,
+    restarter,
+)
 from tasks.rollouts.services import rollout_io
 from tasks.rollouts.unusable import named_if_unusable
 from tasks.rollouts.versions import continue_source, made_on, rollout_source
@@ -89,7 +95,7 @@ def _generate(ctx, k: int, engine_id: int | None) -> Result:
                 k,
                 v,
                 ctx.tokenizer(),
-                group.generate_groups,
+                on_version(ctx, group.generate_groups, v),
                 restart,
                 io=io,
             )

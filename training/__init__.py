@@ -33,7 +33,9 @@ Contracts:
   Each gets what it needs at construction or per call and never reads the actor.
 - ``train.lora`` trains peft adapters in place of the full model (``lora``): only
   they are optimized, the KL reference is the base with adapters off, and every
-  published version, push and export holds the merged weights.
+  published version after v0 and every push holds only the adapters, as peft saves
+  them (``export.write_adapter``, ``weight_sender.send_adapter``); ``export.merge_adapter``
+  merges a version into a plain HF folder.
 - Losses/advantages are pure tensor functions (``losses.py``, ``advantages.py``),
   and so are the engine/trainer mismatch corrections (``correction.py``), which
   ``train.loss.rollout_correction`` turns on (off: the losses' numbers are unchanged).

@@ -83,7 +83,9 @@ class TrainActor:
             hf_state=self._hf_state,
         )
         place = (self.rank, self.world_size, self.seed, self.run_name)
-        self.durable = DurableState(*place, self.weights_cfg, store=self.store, state=hooks)
+        self.durable = DurableState(
+            *place, self.weights_cfg, store=self.store, state=hooks, lora=self.cfg.lora
+        )
         # Pushes of the held state to engines (weights.transport tensor / distributed).
         self.pusher = WeightPusher(self.rank, self.world_size, self.device)
         # Sleep and wake of this rank's tensors when colocated with engines.
@@ -121,15 +123,28 @@ class TrainActor:
     def init_from_base(self, model_path: str) -> int:
         """Build model (+ frozen reference when kl_coef > 0) and AdamW from ``model_path``."""
         dtype, compute, n = self.model_cfg.dtype, self.sections.compute_dtype, self.world_size
+        compiled = bt.should_compile_layers(self.cfg.compile_layers, self.device)
+        copy = n == 1 and compute != dtype  # fp32 master weights, bf16 forward and backward
         self.model = bt.build_model(
-            model_path, dtype, self.device, n, compute, lora=self.cfg.lora, seed=self.seed
+            model_path,
+            dtype,
+            self.device,
+            n,
+            compute,
+            lora=self.cfg.lora,
+            seed=self.seed,
+            compiled=compiled and not copy,  # with a copy, the copy is what runs
         )
-        if n == 1 and compute != dtype:  # fp32 master weights, bf16 forward and backward
+        if copy:
             self._compute = ComputeCopy(self.model, bt.DTYPES[compute])
+            if compiled:
+                bt.compile_layers(self._compute.model)
         if self.cfg.loss.kl_coef > 0 and self.cfg.lora is None:  # LoRA: the base, adapters off
             # Frozen: no master needed; it scores in the compute dtype, as the policy does.
             ref_dtype = compute if n == 1 else dtype
-            self.ref_model = bt.build_model(model_path, ref_dtype, self.device, n, compute)
+            self.ref_model = bt.build_model(
+                model_path, ref_dtype, self.device, n, compute, compiled=compiled
+            )
             self.ref_model.requires_grad_(False).eval()
         self.optim = bt.adamw(self.model, self.cfg.lr, self.cfg.weight_decay, self.device)
         pad = getattr(self.model.config, "pad_token_id", None)
@@ -188,6 +203,7 @@ class TrainActor:
         """Collective. Rank 0 sends the trainer state it holds to ``engine`` as weight
         version ``iteration`` over ``transport`` ('tensor' or 'distributed')."""
         self._require_model()
+        lora_cfg = self.cfg.lora  # an adapter push: peft's config goes with the tensors
         return self.pusher.push(
             engine,
             transport,
@@ -198,6 +214,7 @@ class TrainActor:
             group_name,
             sleeps=self.memory.has_slept,
             model=self._bindable_model(),
+            adapter=None if lora_cfg is None else lora.peft_config(lora_cfg, self.base_model_path),
         )
 
     # Backend hooks of the durable state (handed to it as a RankState) and of pushes:
@@ -216,28 +233,29 @@ class TrainActor:
         return {}
 
     def _hf_state(self, staging: HostStaging | None = None) -> dict[str, torch.Tensor]:
-        """The full state dict in HF names, tied output dropped (collective).
-        ``staging``: an unsharded model's state is copied into these reused host
-        buffers (a background publish's host copy, at the link's speed)."""
+        """What a version publishes (collective): the full state dict in HF names, tied
+        output dropped, or with LoRA only the adapters, in peft's names. ``staging``:
+        an unsharded model's state is copied into these reused host buffers (a
+        background publish's host copy, at the link's speed)."""
         on_device = staging is not None and not bt.is_sharded(self.model)
         state = bt.full_model_state(self.model, on_device)
-        if self.cfg.lora is not None:  # engines serve full weights: the adapters merged
-            state = lora.merged_state(state, self.cfg.lora)
+        if self.cfg.lora is not None:  # versions are adapters of v0
+            state = lora.adapter_state(state)
         state = drop_tied(self.model, state)
         return staging.copy(state) if on_device else state
 
     def _push_tensors(self) -> Any:
         """(HF name, full tensor) pairs a push sends, one at a time; collective. With
-        LoRA, the merged weights (gathered whole first: a merge needs W, A and B)."""
+        LoRA, only the adapters, in peft's names (every rank joins each gather)."""
         if self.cfg.lora is not None:
             full = dict(bt.iter_full_tensors(self.model))
-            return iter(lora.merged_state(full, self.cfg.lora).items())
+            return iter(lora.adapter_state(full).items())
         return bt.iter_full_tensors(self.model)
 
     def _bindable_model(self) -> torch.nn.Module | None:
         """The model whose tensors a push's staging buffer may take over (one rank
         holds full tensors with the pushed names); None when sharded, or when a push
-        sends merged LoRA weights, which no parameter holds."""
+        sends LoRA adapters, which a push sends whole each time."""
         if bt.is_sharded(self.model) or self.cfg.lora is not None:
             return None
         return self.model

@@ -7,6 +7,7 @@ reads or writes storage and never knows about iterations or rollouts.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -94,17 +95,21 @@ def build_model(
     compute_dtype: str | None = None,
     lora: LoraConfig | None = None,
     seed: int = 0,
+    compiled: bool = False,
 ) -> nn.Module:
     """Load the HF causal LM at ``path`` with ``dtype`` weights; FSDP2-shard it when
     ``world_size`` > 1, each layer gathered in ``compute_dtype`` (one rank computes in
     it on a ``training.mixed_precision.ComputeCopy`` instead). ``lora``: adapters put
-    in before sharding (``training.lora.add_adapters``, drawn from ``seed``)."""
+    in before sharding (``training.lora.add_adapters``, drawn from ``seed``);
+    ``compiled``: each decoder layer compiled (``compile_layers``), before sharding."""
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=DTYPES[dtype], attn_implementation="sdpa"
     )
     if lora is not None:
         add_adapters(model, lora, seed)
     model.to(device)
+    if compiled:
+        compile_layers(model)
     if world_size > 1:
         shard_model(model, device, world_size, compute_dtype)
     return model
@@ -155,6 +160,40 @@ def _unpack(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of an HF causal LM: its modules of the classes it names in
+    ``_no_split_modules`` (what FSDP shards and ``compile_layers`` compiles one by one)."""
+    layer_types = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_types]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} names no decoder layer class in _no_split_modules; "
+            "the torch backend cannot shard or compile it per layer"
+        )
+    return layers
+
+
+def compile_layers(model: nn.Module) -> None:
+    """``torch.compile`` each decoder layer in place (dynamic shapes: micro-batches
+    differ in rows and length). Every layer runs the same code, so they share one
+    compiled graph; HF's per-layer Python and the small norm, rotary and activation
+    kernels between the matmuls become a few fused kernels, which is where a small
+    model's step spends its time on a GPU. Call it on the module that runs (a
+    ``ComputeCopy``'s, not its master: a compiled module's deepcopy would still call
+    the original) and before FSDP2 wraps the layers."""
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=True)
+
+
+def should_compile_layers(setting: str, device: torch.device) -> bool:
+    """``train.compile_layers`` on ``device``: ``auto`` is on for CUDA with Triton."""
+    if setting == "auto":
+        return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    if setting not in ("on", "off"):
+        raise ValueError(f"compile_layers {setting!r}: choose auto, on or off")
+    return setting == "on"
+
+
 def shard_model(
     model: nn.Module, device: torch.device, world_size: int, compute_dtype: str | None = None
 ) -> None:
@@ -170,14 +209,7 @@ def shard_model(
         param_dtype=DTYPES[compute_dtype] if compute_dtype else None,
         reduce_dtype=torch.float32,
     )
-    layer_types = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in layer_types]
-    if not layers:
-        raise ValueError(
-            f"{type(model).__name__} names no decoder layer class in _no_split_modules; "
-            "the torch backend cannot shard it per layer"
-        )
-    for layer in layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
 

@@ -24,9 +24,10 @@ import torch
 
 from training import checkpoint
 from training.background_save import CHECKPOINT_LOST, VERSION_LOST, BackgroundSaver
-from training.config import WeightsConfig
-from training.export import manifest_dict, write_hf_weights
+from training.config import LoraConfig, WeightsConfig
+from training.export import manifest_dict, write_adapter, write_hf_weights
 from training.host_staging import HostStaging
+from training.lora import peft_config
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,9 @@ class RankState:
     restore: Callable[[Any, int], dict]
     # What this backend adds to a checkpoint's meta.
     meta: Callable[[], dict]
-    # Collective: the full state in HF names, tied output dropped; a background
-    # publish passes reused host buffers the backend may copy into.
+    # Collective: what a version publishes: the full state in HF names, tied output
+    # dropped, or with LoRA the adapters in peft's names; a background publish passes
+    # reused host buffers the backend may copy into.
     hf_state: Callable[[HostStaging | None], dict[str, torch.Tensor]]
 
 
@@ -57,9 +59,12 @@ class DurableState:
         weights_cfg: WeightsConfig,
         store: Callable[[int | None], Any],
         state: RankState,
+        lora: LoraConfig | None = None,
     ) -> None:
+        """``lora``: versions are adapters of v0 (``storage.adapters``), not full weights."""
         self.rank, self.world_size, self.seed, self.run_name = rank, world_size, seed, run_name
         self.weights_cfg = weights_cfg
+        self.lora = lora
         self.store = store  # the run store under a fence (the caller's lease), per call
         self.state = state
         self._checkpoints = BackgroundSaver("checkpoint", CHECKPOINT_LOST)
@@ -175,6 +180,8 @@ class DurableState:
         base_model_path: str,
     ) -> dict:
         """Rank 0: write ``state`` as ``weights/v{version}`` and commit it (manifest last)."""
+        if self.lora is not None:
+            return self._write_adapter(store, state, version, iteration, parent, base_model_path)
         # delta on: XOR against the newest full version within full_every (storage.delta)
         every = self.weights_cfg.full_every if self.weights_cfg.delta == "on" else None
         writer = store.weights_writer(
@@ -182,6 +189,28 @@ class DurableState:
         )
         written = write_hf_weights(writer, state, self.weights_cfg.shard_size, base_model_path)
         manifest = manifest_dict(writer.commit())
+        return {
+            "version": version,
+            "iteration": iteration,
+            "parent": parent,
+            **written,
+            "manifest": manifest,
+        }
+
+    def _write_adapter(
+        self,
+        store: Any,
+        state: dict,
+        version: int,
+        iteration: int,
+        parent: int | None,
+        base_model_path: str,
+    ) -> dict:
+        """Rank 0, with LoRA: ``state`` (the adapters) as peft's two files, committed as
+        an adapter of v0 (its manifest names v0 and the digest of v0's files)."""
+        writer = store.weights_writer(version, iteration, parent)
+        written = write_adapter(writer, state, peft_config(self.lora, base_model_path))
+        manifest = manifest_dict(writer.commit(adapter=store.adapter_of(0)))
         return {
             "version": version,
             "iteration": iteration,

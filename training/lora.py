@@ -1,7 +1,7 @@
 """LoRA adapters on the torch backend: what ``train.lora`` changes in the model.
 
-Owns putting adapters into a loaded HF model, turning them off, and the merged
-weights a version publishes. ``peft.inject_adapter_in_model`` leaves the model
+Owns putting adapters into a loaded HF model, turning them off, and the adapters
+a version publishes. ``peft.inject_adapter_in_model`` leaves the model
 its own HF class: each target ``nn.Linear`` becomes a LoRA layer around its
 frozen base weight (state-dict names ``...q_proj.base_layer.weight``,
 ``...q_proj.lora_A.default.weight``, ``...lora_B.default.weight``), and only the
@@ -9,9 +9,11 @@ adapters require grad, so the optimizer holds only them. The reference model
 for KL is the same model with its adapters off (``adapters_disabled``): no
 second copy.
 
-Engines serve full weights: ``merged_state`` turns a state dict of the adapted
-model back into HF names, each target weight W + (B @ A) * alpha / rank, so a
-published version, a push and an export look like any full fine-tune's.
+A published version and a push hold only the adapters, as peft saves them:
+``adapter_state`` takes them out of the adapted model's state dict in peft's names
+(``base_model.model.<module>.lora_A.weight``, ``wire.lora``), and
+``peft_config`` is the ``adapter_config.json`` beside them. Engines apply them to
+the base they keep (W + B @ A * alpha / rank, ``wire.lora.merge``).
 
 Never reads storage or config files, never builds a model.
 """
@@ -19,15 +21,17 @@ Never reads storage or config files, never builds a model.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from training.config import LoraConfig
+from wire.lora import peft_key
 
 ADAPTER = "default"  # peft's name for the one adapter a model carries
-_BASE = ".base_layer."
 _LORA_A = f".lora_A.{ADAPTER}.weight"
 _LORA_B = f".lora_B.{ADAPTER}.weight"
 
@@ -97,24 +101,35 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
             layer.enable_adapters(True)
 
 
-def merged_state(state: dict[str, torch.Tensor], cfg: LoraConfig) -> dict[str, torch.Tensor]:
-    """``state`` of an adapted model in HF names, each adapted weight merged:
-    W + (B @ A) * alpha / rank, computed in float32 and cast to W's dtype. A state
-    without adapters comes back as it is."""
-    scale = cfg.alpha / cfg.rank
-    out: dict[str, torch.Tensor] = {}
+def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters of an adapted model's ``state`` in peft's saved names (what
+    ``get_peft_model_state_dict`` gives), sorted; nothing else of the model."""
+    out = {}
     for name, tensor in state.items():
-        if _LORA_A in name or _LORA_B in name:
-            continue
-        if _BASE not in name:
-            out[name] = tensor
-            continue
-        layer, leaf = name.split(_BASE)
-        hf_name = f"{layer}.{leaf}"
-        if leaf != "weight":  # the base layer's bias: unchanged (bias: none)
-            out[hf_name] = tensor
-            continue
-        a, b = state[layer + _LORA_A], state[layer + _LORA_B]
-        delta = (b.float() @ a.float()) * scale
-        out[hf_name] = (tensor.float() + delta.to(tensor.device)).to(tensor.dtype)
-    return out
+        for which, leaf in (("A", _LORA_A), ("B", _LORA_B)):
+            if name.endswith(leaf):
+                out[peft_key(name[: -len(leaf)], which)] = tensor
+    return dict(sorted(out.items()))
+
+
+def peft_config(cfg: LoraConfig, base_model_path: str) -> dict[str, Any]:
+    """``adapter_config.json`` of ``cfg`` as peft writes it (``LoraConfig.save_pretrained``),
+    lists sorted so that the same settings always give the same bytes."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    out = PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=sorted(cfg.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model_path,
+    ).to_dict()
+    # peft keeps target_modules as a set: its order would change with the hash seed
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in out.items()}
+
+
+def config_json(config: dict[str, Any]) -> bytes:
+    """The bytes of ``adapter_config.json`` (peft's layout: indent 2, keys sorted)."""
+    return json.dumps(config, indent=2, sort_keys=True).encode()

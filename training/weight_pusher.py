@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from training.broadcast_sender import BroadcastSender
-from training.weight_sender import HandleGather, TensorPusher
+from training.weight_sender import HandleGather, TensorPusher, send_adapter
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -47,14 +47,29 @@ class WeightPusher:
         *,
         sleeps: bool,
         model: torch.nn.Module | None,
+        adapter: dict[str, Any] | None = None,
     ) -> dict[str, Any] | None:
         """Collective: ``named`` (the same full tensors on every rank, iterated once)
         to ``engine`` as weight ``version``; rank 0 returns the summary. ``sleeps``:
         the rank frees its device memory between pushes (colocated), so it keeps no
         second copy of the model and streams. ``model``: a single rank's model, whose
-        tensors a staging buffer may take over (None when sharded or converted)."""
+        tensors a staging buffer may take over (None when sharded or converted).
+        ``adapter``: ``named`` is a LoRA adapter in peft's names and this its peft
+        config; it goes whole in one bucket (``training.weight_sender.send_adapter``),
+        over the ``tensor`` transport only."""
         t0 = time.perf_counter()
-        if transport == "tensor":
+        if adapter is not None:
+            if transport != "tensor":
+                raise ValueError(
+                    f"transport={transport!r}: LoRA adapters are pushed over 'tensor' (or "
+                    "loaded from disk); set weights.transport to tensor, disk or object-store"
+                )
+            if self.tensor is None:
+                self.tensor = TensorPusher(self.device)
+            ranks, wire = self.tensor.engine_profile(engine)
+            gather = HandleGather(self.rank, self.world_size, ranks, self._gloo_group())
+            out = send_adapter(engine, named, version, adapter, flush_cache, gather, wire)
+        elif transport == "tensor":
             out = self._push_tensor(
                 engine, version, named, bucket_bytes, flush_cache, sleeps, model
             )

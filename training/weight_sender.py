@@ -19,7 +19,9 @@ Owns handing the full state to one engine actor on the same host:
   handle j): train rank ``j % world`` makes engine rank j's handle on its own
   device, and the handles are gathered to train rank 0 over gloo (slime's
   ``UpdateWeightFromTensor``), which calls the engine and broadcasts the outcome.
-The weight version is set by the call carrying the last bucket. Which transport
+The weight version is set by the call carrying the last bucket. A LoRA adapter
+(``send_adapter``) goes whole, as one bucket, to the engine's
+``load_lora_adapter_from_tensors`` under the name ``v{k}`` (``wire.lora``). Which transport
 a push takes, and the gloo group, are ``training.weight_pusher``'s; the
 ``distributed`` transport is ``training.broadcast_sender``. Never decides which
 version to send and never gathers shards itself (the caller iterates full
@@ -285,6 +287,43 @@ def _try_bind(staging: Staging, model: torch.nn.Module) -> bool:
         return False
 
 
+def _hand_over(
+    flats: list[FlatBucket], gather: HandleGather, wire: str, call: Any, what: str
+) -> None:
+    """One bucket to the engine: each producing rank makes its handle (a shared-memory
+    segment, a CUDA IPC handle or SGLang's payload), rank 0 makes ``call(handles)``
+    (a Ray call whose reply must say success) and every rank hears the outcome.
+    Collective over the train ranks; the producer's memory is freed on return."""
+    on_gpu = flats[0].flat.is_cuda
+    shm = not on_gpu and gather.producer and wire != "sglang"
+    segment = ShmSegment(flats) if shm else None
+    error = None
+    try:
+        mine = None
+        if gather.producer:
+            if on_gpu and wire != "sglang":  # the engine reads the flats on its stream
+                torch.cuda.current_stream().synchronize()
+            # SGLang needs no wait here: torch's CUDA IPC reduction records an event
+            # on this stream as it pickles, and the server's rebuild waits on it, so
+            # pickling and the post overlap the flatten's copy (as the seed's push).
+            if wire == "sglang":
+                mine = _sglang_payload(flats, on_gpu)
+            else:
+                mine = _ipc_handle(flats) if on_gpu else segment.handle
+        handles = gather.to_rank0(mine)
+        if handles is not None:
+            try:
+                _check(ray.get(call(handles)), what)
+            except Exception as e:  # every rank must hear of it, or they would wait
+                error = f"{type(e).__name__}: {e}"
+        error = gather.ack(error)
+    finally:  # the engine has copied (or failed): the producer's memory may go
+        if segment is not None:
+            segment.close()
+    if error is not None:
+        raise RuntimeError(error)
+
+
 def send_streamed(
     engine: Any,
     named: NamedTensors,
@@ -301,41 +340,48 @@ def send_streamed(
     nbytes = nbuckets = 0
     for bucket, last in _with_last(iter_buckets(named, bucket_bytes)):
         flats = flatten(bucket)
-        on_gpu = flats[0].flat.is_cuda
-        shm = not on_gpu and gather.producer and wire != "sglang"
-        segment = ShmSegment(flats) if shm else None
-        error = None
-        try:
-            mine = None
-            if gather.producer:
-                if on_gpu and wire != "sglang":  # the engine reads the flats on its stream
-                    torch.cuda.current_stream().synchronize()
-                # SGLang needs no wait here: torch's CUDA IPC reduction records an event
-                # on this stream as it pickles, and the server's rebuild waits on it, so
-                # pickling and the post overlap the flatten's copy (as the seed's push).
-                if wire == "sglang":
-                    mine = _sglang_payload(flats, on_gpu)
-                else:
-                    mine = _ipc_handle(flats) if on_gpu else segment.handle
-            handles = gather.to_rank0(mine)
-            if handles is not None:
-                try:
-                    reply = ray.get(
-                        engine.update_weights_from_tensor.remote(
-                            handles,
-                            flush_cache=flush_cache and last,
-                            weight_version=str(version) if last else None,
-                        )
-                    )
-                    _check(reply, f"bucket {nbuckets} of v{version}")
-                except Exception as e:  # every rank must hear of it, or they would wait
-                    error = f"{type(e).__name__}: {e}"
-            error = gather.ack(error)
-        finally:  # the engine has copied (or failed): the producer's memory may go
-            if segment is not None:
-                segment.close()
-        if error is not None:
-            raise RuntimeError(error)
+
+        def call(handles: list, last: bool = last) -> Any:
+            return engine.update_weights_from_tensor.remote(
+                handles,
+                flush_cache=flush_cache and last,
+                weight_version=str(version) if last else None,
+            )
+
+        _hand_over(flats, gather, wire, call, f"bucket {nbuckets} of v{version}")
         nbytes += sum(b.flat.numel() * b.flat.element_size() for b in flats)
         nbuckets += 1
     return {"bytes": nbytes, "buckets": nbuckets} if gather.rank == 0 else None
+
+
+def send_adapter(
+    engine: Any,
+    named: NamedTensors,
+    version: int,
+    config: dict[str, Any],
+    flush_cache: bool,
+    gather: HandleGather,
+    wire: str = "embedded",
+) -> dict[str, Any] | None:
+    """Hand a LoRA adapter (``named``: peft's names; ``config``: its peft config) to
+    ``engine`` as adapter ``v{version}`` in one bucket: an adapter is a few MB, and an
+    engine applies it whole. Collective as ``send_streamed``; rank 0 returns bytes."""
+    from wire.lora import adapter_name, checksums
+
+    tensors = dict(named)
+    flats = flatten(tensors.items())
+    expected = checksums(tensors)  # the engine checks what it received (a few MB to hash)
+
+    def call(handles: list) -> Any:
+        return engine.load_lora_adapter_from_tensors.remote(
+            adapter_name(version),
+            config,
+            handles,
+            load_format="flattened_bucket",
+            flush_cache=flush_cache,
+            expected_checksums=expected,
+        )
+
+    _hand_over(flats, gather, wire, call, f"adapter v{version}")
+    nbytes = sum(b.flat.numel() * b.flat.element_size() for b in flats)
+    return {"bytes": nbytes, "buckets": 1, "path": "adapter"} if gather.rank == 0 else None

@@ -14,6 +14,8 @@ siblings. Torch only; never Prefect or Ray.
 - ``update_socket``: the local socket a trainer uses to tell an engine on the
   same host that a staged version is ready.
 - ``sglang_payload``: the request bodies SGLang 0.5.17 takes for a tensor update.
+- ``lora``: LoRA adapters as both sides exchange them (peft's names, the scale,
+  the merge, the names ``v{k}`` versions are served under, tensor checksums).
 - ``errors``: what a failed load raises (``WeightLoadError`` and its kinds); a
   failed load leaves the old version serving.
 """

@@ -172,10 +172,49 @@ def provenance(curves: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def plot(curves: list[dict[str, Any]], out: Path) -> None:
+    """The figure: held-out pass@1 and batch reward against iteration wall-clock
+    seconds, one colour per system and one line per file (seeds of a system share
+    its colour, so their spread is the noise); the dotted line is pass@1 0.5."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on the GPU machine
+    import matplotlib.pyplot as plt
+
+    fig, (ax_p, ax_r) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colours: dict[str, str] = {}
+    for c in curves:
+        family = c["system"].split(":")[0]
+        colour = colours.setdefault(family, f"C{len(colours)}")
+        label = (
+            family
+            if c["system"] == family or family not in {ln.get_label() for ln in ax_p.lines}
+            else None
+        )
+        ts, ps = [t for _, t, _ in c["points"]], [p for _, _, p in c["points"]]
+        ax_p.plot(ts, ps, "o-", color=colour, label=label, alpha=0.85)
+        ends = [sum(c["walls"][: i + 1]) for i in range(len(c["walls"]))]
+        rewards = [(t, r) for t, r in zip(ends, c["reward"]) if r is not None]
+        if rewards:
+            ax_r.plot(*zip(*rewards), "-", color=colour, label=label, alpha=0.85)
+    ax_p.axhline(TARGET, color="grey", linestyle=":", linewidth=1)
+    ax_p.set(xlabel="iteration wall-clock s (evaluation left out)", ylabel="held-out pass@1")
+    ax_r.set(xlabel="iteration wall-clock s", ylabel="batch reward (mean)")
+    for ax in (ax_p, ax_r):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("The project beside its peers on one card: the same task, prompts and reward")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+", help="result JSON files: the project's and peers'")
     parser.add_argument("--every", type=float, default=None, help="seconds between time marks")
+    parser.add_argument("--plot", type=Path, help="also draw the figure to this PNG")
     args = parser.parse_args()
     curves = [load(f) for f in args.files]
     names = [c["system"] for c in curves]
@@ -193,6 +232,8 @@ def main() -> None:
     print("\n".join(timeline(curves, args.every)))
     print()
     print("\n".join(provenance(curves)))
+    if args.plot:
+        plot(curves, args.plot)
 
 
 if __name__ == "__main__":

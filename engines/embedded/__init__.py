@@ -13,7 +13,8 @@ Modules (this ``__init__`` imports nothing):
 - ``engine_ranks`` + ``tensor_parallel``: an engine spanning several ranks;
 - ``weight_files`` (confined, manifest-verified reading of an HF dir),
   ``memory_updates`` (``update_weights_from_tensor`` / ``_distributed``),
-  ``weight_cache`` (opened staging handles kept across updates);
+  ``weight_cache`` (opened staging handles kept across updates), ``adapters``
+  (the LoRA adapter served, merged into the kept base weights);
 - ``protocol`` (SGLang ``/generate`` bodies to engine calls), ``http_base`` +
   ``http_server`` (the HTTP API), ``serve`` (``prefect-rl serve``: engine + server).
 """

@@ -8,8 +8,9 @@ collaborators, each made here and handed what it needs: ``served``
 (``ServedModel``: the model, its ranks, the weight version and the locks they
 share), ``tokens`` (``Tokens``: EOS, padding, stop strings, text), ``batcher``
 (``Batcher``: the queue, the decode worker, pausing and deadlines), ``updates``
-(``InMemoryUpdates``: tensor and broadcast weight updates) and ``memory``
-(``DeviceMemory``: sleep and wake). The Ray-visible methods that are theirs
+(``InMemoryUpdates``: tensor and broadcast weight updates), ``adapters``
+(``AdapterMerge``: the LoRA adapter it serves, merged into its weights) and
+``memory`` (``DeviceMemory``: sleep and wake). The Ray-visible methods that are theirs
 delegate to them under the same names. Method names and result shapes follow
 SGLang's HTTP endpoints (``/generate``, ``/update_weights_from_disk``,
 ``/pause_generation`` ...), so callers cannot tell it from an SGLang server. It is a plain class; ``engines.group`` wraps it
@@ -62,13 +63,14 @@ from actors.device_memory import DeviceMemory
 from actors.options import CONTROL_CONCURRENCY, CONTROL_GROUP, GENERATE_CONCURRENCY
 from engines.config import EngineConfig
 from engines.embedded import tensor_parallel as tpar
+from engines.embedded.adapters import AdapterMerge
 from engines.embedded.batching import Batcher, EngineDeadError
 from engines.embedded.decode import Row, decode
 from engines.embedded.engine_ranks import EngineRanks, engine_device, load_model, wait_all
 from engines.embedded.memory_updates import InMemoryUpdates
 from engines.embedded.served_model import ServedModel
 from engines.embedded.tokens import Tokens
-from engines.embedded.weight_files import read_state_dict
+from engines.embedded.weight_files import read_manifest, read_state_dict
 from engines.types import (
     GenerateResult,
     PauseMode,
@@ -82,6 +84,13 @@ from wire.errors import WeightLoadError, WeightPathError
 log = logging.getLogger(__name__)
 
 __all__ = ["EmbeddedEngine", "EngineDeadError", "actor_class"]
+
+
+def _digest(model_dir: str) -> str | None:
+    """The files digest of the weights in ``model_dir`` (its manifest.json), the identity
+    adapters are checked against; None without a manifest."""
+    manifest = read_manifest(model_dir)
+    return None if manifest is None else manifest.digest()
 
 
 @functools.cache
@@ -129,7 +138,11 @@ class EmbeddedEngine:
         self.memory = DeviceMemory(device, "weights")  # released for a colocated trainer
         self._http = None  # engines.embedded.http_server.HttpServerThread once start_http ran
         self.batcher = Batcher(self.served, self.tokens, cfg, engine_id)  # starts the worker
-        self.updates = InMemoryUpdates(self.served, self.batcher, cfg.tp_size)
+        # The folder it started from is the base adapters apply to (load_model verified it).
+        self.adapters = AdapterMerge(self.served, self.batcher, _digest(model_path))
+        self.updates = InMemoryUpdates(
+            self.served, self.batcher, cfg.tp_size, on_weights=self.adapters.full_loaded
+        )
 
     def _limits(self) -> RequestLimits:
         # The embedding's rows, not config.vocab_size: the forward indexes those.
@@ -150,6 +163,7 @@ class EmbeddedEngine:
         sampling_params: list[dict] | dict,
         return_logprob: bool = True,
         rid: list[str] | None = None,
+        lora_path: str | None = None,
     ) -> list[GenerateResult]:
         """SGLang ``/generate`` for a batch of token-id prompts.
 
@@ -161,8 +175,15 @@ class EmbeddedEngine:
         ``return_logprob`` is accepted for API compatibility. ``rid`` names
         each request for ``abort_request``. A row that breaks the model's
         limits (``self.limits``) is a ValueError for this call alone;
-        EngineDeadError if the decode loop has died.
+        EngineDeadError if the decode loop has died. ``lora_path`` (SGLang's
+        adapter of the request) must name the adapter this engine serves, if given:
+        it holds one, merged in, so a request for another is a ValueError.
         """
+        if lora_path is not None and lora_path != self.adapters.name:
+            raise ValueError(
+                f"the request samples from adapter {lora_path!r}, but this engine serves "
+                f"{self.adapters.name or 'its base weights'} (it holds one adapter at a time)"
+            )
         if isinstance(sampling_params, dict):
             sampling_params = [sampling_params] * len(input_ids)
         if len(sampling_params) != len(input_ids):
@@ -254,6 +275,7 @@ class EmbeddedEngine:
             commits = [] if ranks is None else ranks.submit("commit_staged")
             load_into(served.model, state)
             wait_all(commits)
+            self.adapters.full_loaded(_digest(model_path))
             with served.cond:
                 if weight_version is not None:
                     served.version = str(weight_version)
@@ -263,6 +285,49 @@ class EmbeddedEngine:
             batcher.flush_cache()
         msg = f"loaded {model_path} as version {served.version}"
         return {"success": True, "message": msg, "num_paused_requests": paused}
+
+    # ---- LoRA adapters (the adapters') -------------------------------------
+
+    @_control
+    def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str,
+        flush_cache: bool = True,
+        allowed_roots: tuple[str, ...] | None = None,
+    ) -> UpdateWeightsResult:
+        """Serve the peft adapter folder ``lora_path`` as ``lora_name`` (``v{k}``: the
+        engine then serves version k), merged into the base weights, all or nothing
+        (``AdapterMerge.load_from_disk``). ``allowed_roots`` confines every file opened."""
+        roots = None if allowed_roots is None else tuple(allowed_roots)
+        return self.adapters.load_from_disk(lora_name, lora_path, roots, flush_cache)
+
+    @_control
+    def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        config_dict: dict[str, Any],
+        serialized_named_tensors: list[dict[str, Any]],
+        load_format: str = "flattened_bucket",
+        flush_cache: bool = False,
+        expected_checksums: dict[str, str] | None = None,
+    ) -> UpdateWeightsResult:
+        """Serve the adapter behind one bucket handle as ``lora_name``, its tensors
+        checked against ``expected_checksums`` (sha256 each) when given
+        (``AdapterMerge.load_from_tensors``)."""
+        return self.adapters.load_from_tensors(
+            lora_name,
+            config_dict,
+            serialized_named_tensors,
+            load_format,
+            flush_cache,
+            expected_checksums,
+        )
+
+    @_control
+    def unload_lora_adapter(self, lora_name: str) -> UpdateWeightsResult:
+        """Back to the base weights and version if ``lora_name`` is served."""
+        return self.adapters.unload(lora_name)
 
     @_control
     def update_weight_version(self, new_version: str) -> str:
@@ -354,6 +419,7 @@ class EmbeddedEngine:
             "tokenizer_path": self._model_path,
             "is_generation": True,
             "weight_version": self.served.version,
+            "lora_name": self.adapters.name,  # the adapter merged in (None: the base)
             "engine_id": self.engine_id,
             "device": str(self.served.device),
             "tp_size": self._cfg.tp_size,

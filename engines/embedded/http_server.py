@@ -59,8 +59,10 @@ from engines.types import (
     DestroyWeightsUpdateGroupBody,
     GenerateBody,
     InitWeightsUpdateGroupBody,
+    LoadLoRAAdapterBody,
     MemoryOccupationBody,
     PauseGenerationBody,
+    UnloadLoRAAdapterBody,
     UpdateWeightsFromDiskBody,
     UpdateWeightsFromDistributedBody,
     UpdateWeightsFromTensorBody,
@@ -169,6 +171,36 @@ class _Server:
             reply = {"success": False, "message": str(e), "num_paused_requests": 0}
             return JSONResponse(reply, status_code=403)
         return JSONResponse(res, status_code=200 if res["success"] else 400)
+
+    async def load_lora_adapter(self, request: Request) -> JSONResponse:
+        await self.admin(request)
+        body = await parse(request, LoadLoRAAdapterBody)
+        try:
+            path = resolve_allowed(body.lora_path, self.settings.allowed_roots)
+            res = await self.run(
+                lambda: self.engine.load_lora_adapter(
+                    body.lora_name, path, allowed_roots=self.settings.allowed_roots
+                )
+            )
+        except PermissionError as e:  # outside the roots, or a file escapes them
+            reply = {"success": False, "message": str(e), "num_paused_requests": 0}
+            return JSONResponse(reply, status_code=403)
+        except ValueError as e:  # a lora_name that names no version
+            raise BadRequest(str(e)) from None
+        return JSONResponse(res, status_code=200 if res["success"] else 400)
+
+    async def unload_lora_adapter(self, request: Request) -> dict:
+        await self.admin(request)
+        body = await parse(request, UnloadLoRAAdapterBody)
+        return await self.run(self.engine.unload_lora_adapter, body.lora_name)
+
+    async def models(self, request: Request) -> dict:
+        """OpenAI's model list as SGLang fills it: the base, then the adapter served."""
+        info = await self.run(self.engine.model_info)
+        cards = [{"id": info["model_path"], "object": "model", "root": info["model_path"]}]
+        if info.get("lora_name"):
+            cards.append({"id": info["lora_name"], "object": "model", "parent": cards[0]["id"]})
+        return {"object": "list", "data": cards}
 
     async def update_weight_version(self, request: Request) -> dict:
         await self.admin(request)
@@ -297,6 +329,9 @@ ROUTES: list[tuple[str, tuple[str, ...], str]] = [
     ("/get_load", ("GET",), "get_load"),
     ("/update_weights_from_disk", ("POST",), "update_weights_from_disk"),
     ("/update_weight_version", ("POST",), "update_weight_version"),
+    ("/load_lora_adapter", ("POST",), "load_lora_adapter"),
+    ("/unload_lora_adapter", ("POST",), "unload_lora_adapter"),
+    ("/v1/models", ("GET",), "models"),
     ("/pause_generation", ("POST",), "pause_generation"),
     ("/continue_generation", ("POST",), "continue_generation"),
     ("/flush_cache", ("GET", "POST"), "flush_cache"),

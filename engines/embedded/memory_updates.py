@@ -47,8 +47,17 @@ from wire.update_socket import UpdateSocket
 class InMemoryUpdates:
     """Tensor and broadcast weight updates of one engine; see the module docstring."""
 
-    def __init__(self, served: ServedModel, batcher: Batcher, tp_size: int) -> None:
+    def __init__(
+        self,
+        served: ServedModel,
+        batcher: Batcher,
+        tp_size: int,
+        on_weights: Callable[[str | None], None] | None = None,
+    ) -> None:
+        """``on_weights(None)`` is called under the step lock after every update copied
+        in: pushed full weights are the engine's base now, of no known digest."""
         self.served = served
+        self._on_weights = on_weights or (lambda digest: None)
         self.batcher = batcher
         self.tp_size = tp_size
         self.groups: dict[str, Any] = {}  # broadcast groups joined, by name
@@ -68,6 +77,7 @@ class InMemoryUpdates:
         try:
             with served.step_lock:
                 ntensors, nbytes = copy()
+                self._on_weights(None)
                 with served.cond:
                     if weight_version is not None:
                         served.version = str(weight_version)

@@ -30,6 +30,7 @@ class Generator(Protocol):
         sampling_params: list[dict],
         return_logprob: bool,
         rid: list[str],
+        lora_path: str | None = None,
     ) -> list[GenerateResult]: ...
 
     def tokenize(self, texts: list[str]) -> list[list[int]]: ...
@@ -48,6 +49,7 @@ class Plan:
     params: list[dict[str, Any]] = field(default_factory=list)  # engine sampling dict per row
     rids: list[str] = field(default_factory=list)
     logprob: list[bool] = field(default_factory=list)
+    lora_path: str | None = None  # the one adapter every row names (None: none named)
 
 
 def _per_prompt(value: Any, n: int, name: str) -> list:
@@ -103,7 +105,13 @@ def plan(body: GenerateBody, engine: Generator) -> Plan:
         rids = [body.rid] if b == 1 else [f"{body.rid}_{i}" for i in range(b)]
     else:
         rids = _per_prompt(body.rid, b, "rid")
-    out = Plan(single=single and params[0].n == 1)
+    named = {body.lora_path} if not isinstance(body.lora_path, list) else set(body.lora_path)
+    if len(named) > 1:
+        raise ValueError(
+            f"lora_path names {sorted(map(str, named))}: this engine serves one adapter at a "
+            "time, so every prompt of a request must name the same one"
+        )
+    out = Plan(single=single and params[0].n == 1, lora_path=next(iter(named), None))
     eos = engine.eos_token_ids()
     for prompt, sp, rid, lp in zip(prompts, params, rids, logprob):
         for j in range(sp.n):
@@ -144,6 +152,7 @@ def generate(body: GenerateBody, engine: Generator) -> dict | list[dict]:
             [p.params[k] for k in run],
             True,
             [p.rids[k] for k in run],
+            p.lora_path,
         )
         for k, r in zip(run, got):
             results[k] = r

@@ -40,7 +40,7 @@ from engines.security import confine
 from engines.weights import INDEX_NAME, SINGLE_NAME, shard_names
 from storage import tree
 from storage.errors import ManifestError
-from storage.layout import MANIFEST
+from storage.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST
 from storage.manifests import parse_manifest
 from storage.types import FileEntry, WeightsManifest
 from wire.errors import WeightIntegrityError, WeightLoadError, WeightPathError
@@ -223,6 +223,11 @@ def read_state_dict(
     """All tensors of an HF safetensors dir, on CPU, confined to ``roots`` (None: any
     path) and verified against its manifest.json when it has one."""
     d = _Dir(str(model_dir), roots)
+    if d.manifest is not None and d.manifest.adapter is not None:
+        raise WeightLoadError(
+            f"{model_dir} holds version {d.manifest.version}, a LoRA adapter of "
+            f"v{d.manifest.adapter.base}: load it with load_lora_adapter"
+        )
     read: set[str] = set()
     if os.path.lexists(os.path.join(d.root, INDEX_NAME)):
         names = shard_names(bytes(d.read(INDEX_NAME).numpy()), INDEX_NAME)
@@ -239,6 +244,34 @@ def read_state_dict(
             read.add(name)
     d.verify_rest(read)
     return state
+
+
+def read_adapter(
+    adapter_dir: str, roots: tuple[str, ...] | None = None
+) -> tuple[WeightsManifest | None, dict[str, Any], dict[str, torch.Tensor]]:
+    """(manifest, peft config, tensors in peft's names) of a peft adapter folder, on CPU,
+    confined to ``roots`` and verified against its manifest.json when it has one (which
+    must then be an adapter version's)."""
+    d = _Dir(str(adapter_dir), roots)
+    if d.manifest is not None and d.manifest.adapter is None:
+        raise WeightLoadError(
+            f"{adapter_dir} holds version {d.manifest.version} as full weights, not an "
+            "adapter: load it with update_weights_from_disk"
+        )
+    try:
+        config = json.loads(bytes(d.read(ADAPTER_CONFIG).numpy()))
+        assert isinstance(config, dict)
+    except (ValueError, AssertionError):
+        raise WeightLoadError(f"{ADAPTER_CONFIG} in {adapter_dir} is not a JSON object") from None
+    tensors = parse_safetensors(d.read(ADAPTER_WEIGHTS), ADAPTER_WEIGHTS)
+    d.verify_rest({ADAPTER_CONFIG, ADAPTER_WEIGHTS})
+    return d.manifest, config, tensors
+
+
+def read_manifest(model_dir: str) -> WeightsManifest | None:
+    """The manifest.json of ``model_dir``, parsed (not checked against the files: for a
+    folder a load has just verified); None when it has none."""
+    return _Dir(str(model_dir), None).manifest
 
 
 def verify_dir(model_dir: str) -> WeightsManifest | None:

@@ -11,7 +11,12 @@ transports drive both kinds alike. Weight updates:
   ``load_format: flattened_bucket``;
 - ``init_weights_update_group`` / ``update_weights_from_distributed``: the
   server joins the trainer's NCCL group and receives each bucket as one flat
-  broadcast (``load_format: flattened_bucket``).
+  broadcast (``load_format: flattened_bucket``);
+- ``load_lora_adapter_from_tensors``: a LoRA adapter version (``train.lora``,
+  launched with ``adapters``' flags) as one SGLang payload per TP rank, with the
+  sha256 of each tensor for the server to check. A version already loaded is not
+  loaded again (the server refuses a name twice; versions are immutable). Each
+  request names the adapter it samples from (``generate``'s ``lora_path``).
 
 A refused update is a result (``success: False``), as on the embedded engine.
 An endpoint the server lacks (404) is an error naming the server's version.
@@ -31,7 +36,8 @@ from engines.client import EngineClient, EngineHTTPError
 from engines.config import EngineConfig
 from engines.sglang.folder_check import refusal, start_shapes
 from engines.sglang.server import SGLangServer
-from engines.types import GenerateResult, PauseMode, UpdateWeightsResult
+from engines.types import AdapterServing, GenerateResult, PauseMode, UpdateWeightsResult
+from wire.lora import version_of
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +60,20 @@ class SGLangEngine:
     """One SGLang server process, started in ``__init__`` and ready when it returns."""
 
     def __init__(
-        self, model_path: str, engine_id: int, cfg: EngineConfig, weight_version: int = 0
+        self,
+        model_path: str,
+        engine_id: int,
+        cfg: EngineConfig,
+        weight_version: int = 0,
+        adapters: AdapterServing | None = None,
     ) -> None:
+        """``adapters``: launch with LoRA on (the run's versions are adapters)."""
         self.engine_id = engine_id
         self._cfg = cfg
         self._start_shapes = start_shapes(model_path)  # what every reload must hold
         api_key = os.environ.get(cfg.api_key_env) or None
         self._server = SGLangServer(
-            model_path, engine_id, cfg.sglang, cfg.tp_size, weight_version, api_key
+            model_path, engine_id, cfg.sglang, cfg.tp_size, weight_version, api_key, adapters
         )
         self.url = self._server.url
         self.command = self._server.command  # token hidden
@@ -133,15 +145,24 @@ class SGLangEngine:
         sampling_params: list[dict] | dict,
         return_logprob: bool = True,
         rid: list[str] | None = None,
+        lora_path: str | None = None,
     ) -> list[GenerateResult]:
+        """``lora_path``: the adapter version every request samples from (None: the
+        base); its results report that version, as the server reports its base's."""
         if not input_ids:
             return []
-        return self.client.generate(
+        out = self.client.generate(
             input_ids=[list(p) for p in input_ids],
             sampling_params=sampling_params,
             return_logprob=return_logprob,
             rid=rid,
+            lora_path=lora_path,
         )
+        if lora_path is not None:  # the weights it ran on: base + adapter v{k} = version k
+            version = str(version_of(lora_path))
+            for result in out if isinstance(out, list) else [out]:
+                result["meta_info"]["weight_version"] = version
+        return out
 
     @_control
     def get_weight_version(self) -> str:
@@ -233,6 +254,31 @@ class SGLangEngine:
             weight_version=weight_version,
             flush_cache=flush_cache,
             load_format=load_format,
+        )
+
+    @_control
+    def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        config_dict: dict[str, Any],
+        serialized_named_tensors: list[str],
+        load_format: str = "flattened_bucket",
+        flush_cache: bool = False,
+        expected_checksums: dict[str, str] | None = None,
+    ) -> UpdateWeightsResult:
+        """Post an adapter: one SGLang payload per TP rank (``wire.sglang_payload``),
+        checked by the server against ``expected_checksums`` (sha256 per tensor).
+        ``flush_cache`` is accepted: a new adapter shares no cache with the old."""
+        if lora_name in self._call("the adapters loaded", self.client.models):
+            return {"success": True, "message": f"{lora_name} is loaded", "num_paused_requests": 0}
+        return self._result(
+            "adapter load",
+            self.client.load_lora_adapter_from_tensors,
+            lora_name,
+            config_dict,
+            serialized_named_tensors,
+            load_format,
+            expected_checksums,
         )
 
     @_control

@@ -30,6 +30,7 @@ from typing import Any
 from engines.client import EngineClient
 from engines.config import SGLangConfig
 from engines.security import require_token
+from engines.types import AdapterServing
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,11 @@ def launch_args(
     port: int,
     weight_version: int,
     api_key: str | None = None,
+    adapters: AdapterServing | None = None,
 ) -> list[str]:
-    """``launch_server`` arguments (SGLang 0.5.x names) for one engine."""
+    """``launch_server`` arguments (SGLang 0.5.x names) for one engine. ``adapters``:
+    LoRA on, sized for the adapter versions a run keeps loaded (each is its own slot
+    of a batch, which the base model shares: SGLang needs loaded >= per batch)."""
     args = ["--model-path", model_path, "--host", sc.host, "--port", str(port)]
     args += ["--tp-size", str(tp_size), "--weight-version", str(weight_version)]
     if sc.mem_fraction_static is not None:
@@ -59,6 +63,11 @@ def launch_args(
         args += ["--cuda-graph-max-bs", str(sc.cuda_graph_max_bs)]
     if api_key:
         args += ["--api-key", api_key]
+    if adapters is not None:
+        args += ["--enable-lora", "--max-lora-rank", str(adapters.max_rank)]
+        args += ["--lora-target-modules", *adapters.target_modules]
+        args += ["--max-loras-per-batch", str(adapters.max_loaded)]
+        args += ["--max-loaded-loras", str(adapters.max_loaded)]
     return args + list(sc.extra_args)
 
 
@@ -89,6 +98,7 @@ class SGLangServer:
         tp_size: int,
         weight_version: int,
         api_key: str | None,
+        adapters: AdapterServing | None = None,
     ) -> None:
         self.engine_id = engine_id
         self._sc = sc
@@ -97,7 +107,8 @@ class SGLangServer:
         self.url = f"http://{host}:{port}"
         require_token(sc.host, api_key)  # before anything starts
         prefix = sc.launch_command or [sys.executable, "-m", "sglang.launch_server"]
-        self._argv = [*prefix, *launch_args(model_path, sc, tp_size, port, weight_version, api_key)]
+        args = launch_args(model_path, sc, tp_size, port, weight_version, api_key, adapters)
+        self._argv = [*prefix, *args]
         self.command = redacted(self._argv)  # what logs and errors show
         log_dir = Path(sc.log_dir or tempfile.mkdtemp(prefix="prefect-rl-sglang-"))
         log_dir.mkdir(parents=True, exist_ok=True)

@@ -18,9 +18,10 @@ from typing import Any
 from engines.group import EngineGroup
 from rollout.sharded_eval import ShardScore, score_shard
 from tasks.evaluation.plan import EvalPlan
+from tasks.rollouts.partial import on_version
 from tasks.rollouts.services import rollout_io
-from tasks.serving.engine import disk_reload, served_version
-from tasks.serving.transports import engine_weights, start_on
+from tasks.serving.engine import served_version
+from tasks.serving.transports import engine_weights, reload_on, start_on
 from tasks.serving.verify import check_serves
 
 log = logging.getLogger("prefect_rl.evaluation")
@@ -36,6 +37,7 @@ def eval_group(plan: EvalPlan) -> EngineGroup:
         placement=None,  # never the run's shared (colocated) group
         call_timeout_s=cfg.tasks.timeout_s,
         weights_run=plan.run,
+        adapters=plan.ctx.adapters(),
     )
 
 
@@ -45,10 +47,10 @@ def serve_version(plan: EvalPlan, engine_id: int, version: int) -> dict[str, Any
     ctx, group = plan.ctx, eval_group(plan)
     weights = engine_weights(ctx, group, engine_id, version)
     if not group.is_alive(engine_id):  # its first start, or a dead one
-        group.restart(engine_id, weights.path, version)
+        start_on(ctx, group, engine_id, version, weights)
         how = "started"
     elif served_version(ctx, group, engine_id) != str(version):
-        disk_reload(ctx, group, engine_id, version, weights.path)
+        reload_on(ctx, group, engine_id, version, weights.path)
         how = "reloaded"
     else:
         how = "already served"
@@ -82,7 +84,7 @@ def run_shard(plan: EvalPlan, version: int, shard: int) -> ShardScore:
             shard,
             plan.shards[shard],
             ctx.tokenizer(),
-            group.generate_groups,
+            on_version(ctx, group.generate_groups, version),
             restart,
             io,
         )

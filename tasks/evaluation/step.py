@@ -13,6 +13,7 @@ from typing import Any
 
 from rollout.evaluation import due, evaluate
 from tasks import colocate
+from tasks.rollouts.partial import on_version
 from tasks.rollouts.services import rollout_io
 from tasks.runner import Step
 from tasks.serving.transports import ensure_engine_serves, target_version, transport_for
@@ -43,7 +44,15 @@ def _evaluate(ctx, k: int, engine_id: int | None) -> dict[str, Any]:
     tokenizer = ctx.tokenizer()
     with rollout_io(ctx, group, k, restart, persist=False) as io:  # multi-turn: HTTP turns
         return evaluate(
-            cfg.eval, cfg.rollout, cfg.run.seed, k, v, tokenizer, group.generate_groups, restart, io
+            cfg.eval,
+            cfg.rollout,
+            cfg.run.seed,
+            k,
+            v,
+            tokenizer,
+            on_version(ctx, group.generate_groups, v),
+            restart,
+            io,
         )
 
 

@@ -15,6 +15,7 @@ No Prefect in here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from rollout.partial import continue_batch, generate_head
@@ -27,7 +28,14 @@ from tasks.runner import Step
 from tasks.serving.transports import ensure_engine_serves, target_version, transport_for
 from tasks.types import RolloutHeadResult
 
-__all__ = ["HEAD_RECORD", "ROLLOUT_HEAD", "continue_rollout", "engines_serve", "restarter"]
+__all__ = [
+    "HEAD_RECORD",
+    "ROLLOUT_HEAD",
+    "continue_rollout",
+    "engines_serve",
+    "on_version",
+    "restarter",
+]
 
 HEAD_RECORD = "rollout_head_batch"  # ledger/iter_k/rollout_head_batch.json: the head's samples
 
@@ -41,6 +49,17 @@ def restarter(ctx, group, v: int) -> Callable[[int], None]:
         colocate.for_rollout(ctx)  # a push (in-memory transports) woke the trainer: back to sleep
 
     return restart
+
+
+def on_version(ctx, generate: Callable, v: int) -> Callable:
+    """``generate`` (an ``EngineGroup`` call) with every request naming the weights it
+    samples from: in a LoRA run version v > 0 is adapter ``v{v}`` (SGLang serves
+    several at once; the embedded engine checks it is the one it serves)."""
+    if ctx.cfg.train.lora is None or v == 0:
+        return generate
+    from wire.lora import adapter_name
+
+    return functools.partial(generate, lora_path=adapter_name(v))
 
 
 def engines_serve(ctx, source: int) -> list[str]:
@@ -80,7 +99,7 @@ def _head(ctx, k: int, engine_id: None) -> dict:
     v = target_version(ctx, rollout_source(ctx, k))
     group = ctx.engines()
     cfg = ctx.cfg
-    generate = group.generate_groups
+    generate = on_version(ctx, group.generate_groups, v)
     out = generate_head(
         cfg.rollout, cfg.run.seed, k, v, ctx.tokenizer(), generate, restarter(ctx, group, v)
     )
@@ -108,7 +127,7 @@ def continue_rollout(ctx, k: int, source: int) -> Generated:
             head,
             v,
             ctx.tokenizer(),
-            group.generate_rows,
+            on_version(ctx, group.generate_rows, v),
             restart,
             io.score,
         )

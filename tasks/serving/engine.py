@@ -50,11 +50,17 @@ def engine_client(ctx, group, engine_id: int):
 
 
 def served_version(ctx, group, engine_id: int) -> str | None:
-    """The version engine ``engine_id`` reports on /model_info; None if it is down."""
+    """The version engine ``engine_id`` reports on /model_info, or in a LoRA run the
+    newest adapter version ``/v1/models`` lists (SGLang keeps several loaded beside
+    its base, whose version stays 0); None if it is down."""
     if group.handle(engine_id) is None:
         return None
     try:
         with engine_client(ctx, group, engine_id) as client:
+            if ctx.cfg.train.lora is not None:
+                loaded = _adapter_versions(client)
+                if loaded:
+                    return str(max(loaded))
             return client.get_weight_version()
     except (
         ray.exceptions.RayActorError,
@@ -85,6 +91,58 @@ def disk_reload(ctx, group, engine_id: int, v: int, path: str) -> None:
         raise RuntimeError(f"engine {engine_id} refused v{v} from {path}: {reply.get('message')}")
 
 
+def _adapter_versions(client) -> dict[int, str]:
+    """version -> name of every adapter version ``/v1/models`` lists (the first card is
+    the base model; names other than ``v{k}`` are not the run's)."""
+    from wire.lora import version_of
+
+    out = {}
+    for name in client.models()[1:]:
+        try:
+            out[version_of(name)] = name
+        except ValueError:
+            continue
+    return out
+
+
+def unload_stale(ctx, client, v: int) -> list[str]:
+    """Before adapter v loads: unload the adapter versions older than any rollout may
+    still sample from (v - max_staleness - 1), so v takes a free slot and memory never
+    creeps (SGLang keeps an adapter until asked; its unload waits for the requests
+    that use it). Returns the names unloaded."""
+    oldest = v - ctx.cfg.rollout.max_staleness - 1
+    stale = [name for k, name in sorted(_adapter_versions(client).items()) if k < oldest]
+    for name in stale:
+        client.unload_lora_adapter(name)
+    return stale
+
+
+def adapter_reload(ctx, group, engine_id: int, v: int, path: str) -> None:
+    """Pause, /load_lora_adapter of the adapter folder ``path`` as ``v{v}`` (stale
+    versions unloaded first), continue. A name the engine lists on /v1/models already
+    is not loaded again (SGLang refuses a name twice; versions are immutable)."""
+    from wire.lora import adapter_name
+
+    name = adapter_name(v)
+    with engine_client(ctx, group, engine_id) as client:
+        with phase("pause"):
+            client.pause_generation(ctx.cfg.engines.pause_mode)
+        try:
+            with phase("unload"):
+                unload_stale(ctx, client, v)
+            with phase("load"):
+                if name not in client.models():
+                    reply = client.load_lora_adapter(name, path)
+                    if not reply.get("success"):
+                        raise RuntimeError(
+                            f"engine {engine_id} refused adapter {name} from {path}: "
+                            f"{reply.get('message') or reply.get('error_message')}"
+                        )
+        finally:
+            with phase("continue"):
+                client.continue_generation(torch_empty_cache=colocate.colocated(ctx))
+
+
 def push_update(ctx, group, trainer, engine_id: int, v: int) -> dict:
     """Pause (in place), push trainer state v over the in-memory transport, continue.
     The cache is flushed with the last bucket every flush_cache_interval versions.
@@ -100,6 +158,9 @@ def push_update(ctx, group, trainer, engine_id: int, v: int) -> dict:
         try:
             with phase("session"):
                 session = _begin_update_session(client)
+            if ctx.cfg.train.lora is not None:
+                with phase("unload"):
+                    unload_stale(ctx, client, v)
             with phase("push"):
                 out = trainer.push_weights(
                     group.handle(engine_id),

@@ -14,8 +14,14 @@ from typing import Any, ClassVar
 
 from tasks import colocate
 from tasks.phases import phase
-from tasks.serving.engine import cache_dir, disk_reload, push_update, served_version
-from tasks.serving.versions import ensure_published, newest_published
+from tasks.serving.engine import (
+    adapter_reload,
+    cache_dir,
+    disk_reload,
+    push_update,
+    served_version,
+)
+from tasks.serving.versions import adapter_base, ensure_published, newest_published
 
 log = logging.getLogger("prefect_rl.engines")
 
@@ -122,11 +128,27 @@ def engine_weights(ctx, group, engine_id: int, v: int) -> Weights:
     return Weights(pulled["path"], pulled)
 
 
-def start_on(ctx, group, engine_id: int, v: int) -> None:
-    """(Re)start engine ``engine_id`` on version v from its files; no serving record."""
-    path = engine_weights(ctx, group, engine_id, v).path
+def start_on(ctx, group, engine_id: int, v: int, weights: Weights | None = None) -> None:
+    """(Re)start engine ``engine_id`` on version v from its files (``weights``: v's,
+    when the caller has them); no serving record. An adapter version starts the engine
+    on its base, then loads the adapter."""
+    weights = weights or engine_weights(ctx, group, engine_id, v)
+    base = adapter_base(ctx, v)
     with phase("start"):  # the engine's start, ready to serve
-        group.restart(engine_id, path, v)
+        if base is None:
+            group.restart(engine_id, weights.path, v)
+            return
+        group.restart(engine_id, engine_weights(ctx, group, engine_id, base).path, base)
+    adapter_reload(ctx, group, engine_id, v, weights.path)
+
+
+def reload_on(ctx, group, engine_id: int, v: int, path: str) -> None:
+    """Engine ``engine_id`` (alive) loads version v from the folder ``path``: full
+    weights by /update_weights_from_disk, an adapter by /load_lora_adapter."""
+    if adapter_base(ctx, v) is None:
+        disk_reload(ctx, group, engine_id, v, path)
+    else:
+        adapter_reload(ctx, group, engine_id, v, path)
 
 
 def ensure_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool = False) -> Served:
@@ -146,11 +168,10 @@ def disk_engine_serves(ctx, group, engine_id: int, v: int, force_reload: bool = 
     if not group.is_alive(engine_id):
         if group.ran_before(engine_id):  # else its first start: the group logs "starting"
             log.warning("engine %d is not alive; restarting it on v%d", engine_id, v)
-        with phase("start"):  # the engine's start, ready to serve
-            group.restart(engine_id, weights.path, v)
+        start_on(ctx, group, engine_id, v, weights)
         memory = colocate.for_update(ctx, engine_id, push=False)  # the new one's state
     elif force_reload or served_version(ctx, group, engine_id) != str(v):
-        disk_reload(ctx, group, engine_id, v, weights.path)
+        reload_on(ctx, group, engine_id, v, weights.path)
     ctx.store.record_serving(engine_id, v)
     return Served(memory, weights.pull)
 
@@ -184,7 +205,7 @@ def push_engine_serves(ctx, group, engine_id: int, v: int, force: bool = False) 
             from_disk = v in committed and trainer.iteration() != v
         if from_disk:
             memory = colocate.for_update(ctx, engine_id, push=False)
-            disk_reload(ctx, group, engine_id, v, engine_weights(ctx, group, engine_id, v).path)
+            reload_on(ctx, group, engine_id, v, engine_weights(ctx, group, engine_id, v).path)
         else:
             with phase("state"):
                 trainer.ensure_state(v, ctx.base_model_path)

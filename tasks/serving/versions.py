@@ -29,6 +29,13 @@ def expected_version(ctx, k: int) -> int:
     return v
 
 
+def adapter_base(ctx, v: int) -> int | None:
+    """The full version committed version v is a LoRA adapter of (``train.lora``); None
+    for a full version. From its manifest: storage, not the config, says what v is."""
+    adapter = ctx.store.read_manifest(v).adapter
+    return None if adapter is None else adapter.base
+
+
 def newest_published(ctx, k: int) -> int:
     """The newest version <= k whose publish step the ledger records as published; 0 if none."""
     for j in range(k, 0, -1):

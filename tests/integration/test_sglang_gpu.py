@@ -192,3 +192,29 @@ def test_sglang_run_commits_verifies_and_resumes(ray_cluster, tmp_path, qwen, tr
     assert [r["iteration"] for r in rows3] == [3]
     assert ctx3.store.read_record(3, "verify-e0")["result"]["served"] == "3"
     assert {s["weight_version"] for s in ctx3.store.read_rollouts(3)["samples"]} == {2}
+
+
+@pytest.mark.parametrize("transport", ["disk", "tensor"])
+def test_sglang_serves_lora_adapter_versions(ray_cluster, tmp_path, qwen, transport):
+    """train.lora: SGLang is launched with LoRA on, each version is loaded as adapter
+    ``v{k}`` (from the version folder, or pushed as tensors with their checksums),
+    rollouts name the version they sample from, only the versions the staleness needs
+    stay loaded, and a killed engine comes back on v0 plus the newest adapter."""
+    more = {"model.path": qwen, "weights.transport": transport, "train.lora.rank": 8}
+    name = f"sgl-lora-{transport}"
+    cfg = sglang_config(tmp_path, name, **more, **{"run.iterations": 3})
+    ctx, rows, _ = run_plain(cfg, quiet=True, keep_actors=True)
+    store = ctx.store
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    for k in (1, 2, 3):
+        assert store.read_manifest(k).adapter is not None
+        assert store.read_record(k, "verify-e0")["result"]["served"] == str(k)
+        assert {s["weight_version"] for s in store.read_rollouts(k)["samples"]} == {k - 1}
+    with ctx.engines().client(0) as client:  # max_staleness 0: v2 and v3 stay loaded
+        assert client.models()[1:] == ["v2", "v3"]
+    kill_engine(ctx.engines(), 0)
+    cfg4 = sglang_config(tmp_path, name, **more, **{"run.iterations": 4})
+    ctx4, rows4, _ = run_plain(cfg4, quiet=True)
+    assert [r["iteration"] for r in rows4] == [4]
+    assert ctx4.store.read_record(4, "verify-e0")["result"]["served"] == "4"
+    assert {s["weight_version"] for s in ctx4.store.read_rollouts(4)["samples"]} == {3}

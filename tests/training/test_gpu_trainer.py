@@ -131,3 +131,29 @@ def test_a_step_repeats_its_bytes(tmp_path):
         states.append(actor._hf_state())
     assert states[0].keys() == states[1].keys()
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_compiled_layers_train_as_the_eager_model_does(tmp_path):
+    # train.compile_layers is on by default on CUDA: the compiled decoder layers must
+    # score and step the same model as HF's eager layers, to bf16 rounding.
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    runs = {}
+    for setting in ("off", "on"):
+        actor = with_rollouts(
+            cuda_actor(
+                tmp_path / setting,
+                model_dir,
+                setting,
+                compute_dtype="bfloat16",
+                compile_layers=setting,
+            ),
+            range(1, 3),
+        )
+        metrics = [actor.train_step(k) for k in (1, 2)]
+        ids = [[1, 5, 25, 6, 24, 7, 8, 9, 10, 11]]
+        runs[setting] = (metrics, actor.score(ids, temperature=0.7), actor._hf_state())
+    (m_off, lp_off, w_off), (m_on, lp_on, w_on) = runs["off"], runs["on"]
+    for a, b in zip(m_off, m_on, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=0.02, abs=1e-3)
+    assert (lp_off - lp_on).abs().max().item() <= 2e-2
+    assert max((w_off[k] - w_on[k]).abs().max().item() for k in w_off) <= 1e-3

@@ -48,6 +48,7 @@ TRAINER_KEYS = {
     "train.pack_sequences",
     "train.compute_dtype",
     "train.logprob_kernel",
+    "train.compile_layers",
     "train.lora",
     "train.mismatch.max_kl",
     "train.mismatch.on_exceed",

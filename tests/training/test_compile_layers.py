@@ -1,0 +1,23 @@
+"""``train.compile_layers``: compiled decoder layers are a GPU speed-up; CPU runs
+keep HF's eager layers (the reference, whose bytes the resume tests compare), and
+a backend that builds its own layers refuses the setting by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training.backend_torch import should_compile_layers
+from training.config import TrainConfig
+
+
+def test_auto_compiles_on_cuda_only():
+    assert should_compile_layers("auto", torch.device("cpu")) is False
+    assert should_compile_layers("on", torch.device("cpu")) is True
+    assert should_compile_layers("off", torch.device("cuda")) is False
+
+
+def test_megatron_refuses_compile_layers_on():
+    with pytest.raises(ValueError, match="compile_layers: on needs backend: torch"):
+        TrainConfig(backend="megatron", compile_layers="on")
+    assert TrainConfig(backend="megatron").compile_layers == "auto"  # the default still loads
