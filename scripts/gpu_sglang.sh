@@ -137,13 +137,16 @@ smollm2)
     # SmolLM2 learning on SGLang, one run per staleness in STALENESS (default 0) and seed
     # in SEEDS (default 0), each its own engine start; BENCH_SET adds overrides. Each
     # finished run lands in $OUT as smollm2_gpu_s{N}_seed{S}.{txt,json}.
+    # CONFIG=configs/smollm2-gpu-lora.yaml runs the LoRA config (files tagged _lora).
     [ -d ~/.cache/prefect-rl/smollm2-135m-instruct ] || bash "$0" smollm2-import || exit 1
-    with_site configs/smollm2-gpu.yaml /tmp/smollm2-gpu.yaml
+    with_site "${CONFIG:-configs/smollm2-gpu.yaml}" /tmp/smollm2-gpu.yaml
+    lora=""
+    case "${CONFIG:-}" in *lora*) lora=_lora ;; esac
     sets=()
     for kv in ${BENCH_SET:-}; do sets+=(--set "$kv"); done
     for s in ${STALENESS:-0}; do
         for seed in ${SEEDS:-0}; do
-            tag="s${s}_seed${seed}${BENCH_TAG:+_$BENCH_TAG}"
+            tag="s${s}_seed${seed}${lora}${BENCH_TAG:+_$BENCH_TAG}"
             python3 -m bench.smollm2_learning --config /tmp/smollm2-gpu.yaml \
                 --iterations "${ITERATIONS:-20}" --set rollout.max_staleness="$s" \
                 --set run.seed="$seed" "${sets[@]}" --out "$OUT/smollm2_gpu_$tag.json" 2>&1 |
