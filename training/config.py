@@ -321,12 +321,13 @@ class TrainConfig(BaseModel):
         "float32 rounding",
     )
     compile_layers: Literal["auto", "on", "off"] = Field(
-        "auto",
+        "off",
         description="torch.compile each decoder layer of the trained and reference models "
         "(fused elementwise kernels: fewer launches, so less host time per token): on, off, "
         "or auto (on for CUDA with Triton installed, off on CPU, where the eager model is "
         "the reference and compiling takes minutes). A one-time compile of tens of seconds "
-        "at each trainer start; torch backend only",
+        "at each trainer start; torch backend only. Off by default until it is measured "
+        "on a GPU beside the eager layers (bench.train)",
     )
     release_after_publish: bool = Field(
         False,

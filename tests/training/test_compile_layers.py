@@ -20,4 +20,4 @@ def test_auto_compiles_on_cuda_only():
 def test_megatron_refuses_compile_layers_on():
     with pytest.raises(ValueError, match="compile_layers: on needs backend: torch"):
         TrainConfig(backend="megatron", compile_layers="on")
-    assert TrainConfig(backend="megatron").compile_layers == "auto"  # the default still loads
+    assert TrainConfig(backend="megatron").compile_layers == "off"  # the default still loads
