@@ -8,13 +8,22 @@ forget a section and have the trainer fall back to its defaults.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Annotated, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from actors.resources import check_node_resource
 from rollout.config import RolloutConfig
 from storage.config import StorageConfig
+
+
+def yaml_switch(v: object) -> object:
+    """YAML 1.1 reads a bare on/off (as the docs write it) as true/false: back to the
+    word, in files and in --set alike."""
+    return ("on" if v else "off") if isinstance(v, bool) else v
+
+
+Switch = BeforeValidator(yaml_switch)  # for every setting whose values include on and off
 
 
 class RolloutCorrectionConfig(BaseModel):
@@ -320,7 +329,7 @@ class TrainConfig(BaseModel):
         "auto (compiled on CUDA with Triton installed, else eager); the two agree to "
         "float32 rounding",
     )
-    compile_layers: Literal["auto", "on", "off"] = Field(
+    compile_layers: Annotated[Literal["auto", "on", "off"], Switch] = Field(
         "off",
         description="torch.compile each decoder layer of the trained and reference models "
         "(fused elementwise kernels: fewer launches, so less host time per token): on, off, "
@@ -451,7 +460,7 @@ class WeightsConfig(BaseModel):
         "transports reload from it, in-memory ones push every version regardless",
     )
     flush_cache_interval: int = Field(1, ge=1, description="Flush engine caches every N versions")
-    delta: Literal["off", "on"] = Field(
+    delta: Annotated[Literal["off", "on"], Switch] = Field(
         "off",
         description="on: a published version is stored as the XOR of its bytes against the "
         "newest full version (zstd-compressed, storage.delta); readers rebuild and verify it",
@@ -468,12 +477,6 @@ class WeightsConfig(BaseModel):
         "copy of the full base it XORs against (pulled once per base); None: "
         "~/.cache/prefect-rl/{run}/weights, the engines' default cache",
     )
-
-    @field_validator("delta", mode="before")
-    @classmethod
-    def _yaml_switch(cls, v: object) -> object:
-        # YAML 1.1 reads a bare on/off (as the docs write it) as true/false.
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 def check_precision(train: TrainConfig, model: ModelConfig) -> None:

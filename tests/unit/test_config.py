@@ -95,6 +95,10 @@ def test_on_off_settings_take_yaml_booleans_and_words(tmp_path):
         assert load_config(None, [f"weights.delta={raw}"]).weights.delta == want
     with pytest.raises(ConfigError, match=r"weights.delta"):
         load_config(None, ["weights.delta=maybe"])
+    path.write_text("train:\n  compile_layers: off\n")
+    assert load_config(str(path), {}).train.compile_layers == "off"
+    for raw, want in (("on", "on"), ("off", "off"), ("true", "on"), ("auto", "auto")):
+        assert load_config(None, [f"train.compile_layers={raw}"]).train.compile_layers == want
 
 
 def test_eval_sample_count_is_bounded_at_load():
