@@ -25,9 +25,11 @@ first delta also pays what is paid once per base (the publisher hashes the
 base's files; on S3 it pulls the base): its row shows it. Floors from the same
 run, over the last version's bytes: ``sha256`` (one thread, as one file is
 hashed), ``write+fsync`` (what a full publish must do), and how many seconds
-each takes. Each path deletes its own output before its next version (the full
-path its last version, the delta path its rebuilt folder), so both write into page
-cache freed a moment ago (see ``bench.weights_io`` on first-touch costs of VMs).
+each takes; and a delta's own work against v0 in CPU seconds (XOR, zstd,
+unzstd, BLAKE3), beside each row's CPU seconds per step in the JSON. Each path
+deletes its own output before its next version (the full path its last version,
+the delta path its rebuilt folder), so both write into page cache freed a moment
+ago (see ``bench.weights_io`` on first-touch costs of VMs).
 A full version's hash, over its committed files on local disk (warm
 page cache, median of 5): one sha256 pass per file (how a version was verified
 before hash trees), its hash tree (BLAKE3 per 8 MiB chunk on every core, as
@@ -62,10 +64,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import zstandard
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.delta_states import real_states, synthetic_states, tiny_states  # noqa: E402
 from storage import RunStore, S3Options, StorageConfig, tree, verify_dir  # noqa: E402
+from storage.delta_format import FRAME, LEVEL, decompress_into  # noqa: E402
 from storage.hashio import hash_file, start_writeback, write_all  # noqa: E402
 from storage.safetensors_io import TensorEntry, write_hf_shards  # noqa: E402
 
@@ -120,6 +126,48 @@ def floors(entries: list[TensorEntry], tmp: str) -> dict[str, float]:
     write_s = time.perf_counter() - t0
     os.unlink(path)
     return {"sha256_s": round(sha_s, 3), "write_fsync_s": round(write_s, 3)}
+
+
+def codec_floors(base: list[TensorEntry], new: list[TensorEntry]) -> dict[str, float]:
+    """CPU seconds of a delta's own work over ``new``'s bytes against ``base`` (tensors
+    matched by name), one FRAME-sized frame at a time: the XOR, zstd as
+    storage.delta_format compresses (its own threads counted) and decompresses it, and
+    BLAKE3 (a tree's chunks). The sha256 and write floors are ``floors``'."""
+    by_name = {e.name: e for e in base}
+    xs = []
+    for e in new:
+        b = by_name.get(e.name)
+        a = np.frombuffer(e.data, np.uint8)
+        if b is None or len(b.data) != len(a):
+            xs.append(a.copy())
+        else:
+            xs.append(a ^ np.frombuffer(b.data, np.uint8))
+    x = np.concatenate(xs)
+    frames = [x[i : i + FRAME] for i in range(0, len(x), FRAME)]
+    out = np.empty(FRAME, np.uint8)
+
+    def cpu(fn: Callable[[], object]) -> float:
+        # The process's CPU (zstd compresses on threads of its own); nothing else runs.
+        t0 = time.process_time()
+        fn()
+        return round(time.process_time() - t0, 3)
+
+    c = zstandard.ZstdCompressor(level=LEVEL, threads=-1)  # as FrameWriter: threads in zstd
+    packed: list[bytes] = []
+    zstd_s = cpu(lambda: packed.extend(c.compress(f) for f in frames))
+    return {
+        # Two frames in, one out, as a XOR against the base reads (frames[0] is the longest).
+        "xor_cpu_s": cpu(
+            lambda: [np.bitwise_xor(f, frames[0][: len(f)], out=out[: len(f)]) for f in frames]
+        ),
+        "zstd_cpu_s": zstd_s,
+        "zstd_bytes": sum(len(p) for p in packed),
+        # Into one reused buffer, as a rebuild does: a fresh one per frame costs page faults.
+        "unzstd_cpu_s": cpu(
+            lambda: [decompress_into(p, out[: len(f)], "bench") for p, f in zip(packed, frames)]
+        ),
+        "blake3_cpu_s": cpu(lambda: [tree.digest(f) for f in frames]),
+    }
 
 
 def hash_floors(folder: str, repeat: int = 5) -> dict[str, float]:
@@ -258,6 +306,13 @@ def run_state(
             "time_ratio_with_load": round((td + tpd + tld) / (tf + tpf + tlf), 3),
             "full_cpu_s": round(cf + cpf + clf, 3),
             "delta_cpu_s": round(cd + cpd + cld, 3),
+            # CPU seconds of each step (this process, all its threads)
+            "full_publish_cpu_s": round(cf, 3),
+            "full_pull_cpu_s": round(cpf, 3),
+            "full_load_cpu_s": round(clf, 3),
+            "delta_publish_cpu_s": round(cd, 3),
+            "delta_pull_rebuild_cpu_s": round(cpd, 3),
+            "delta_load_cpu_s": round(cld, 3),
         }
         rows.append(row)
         print(
@@ -342,6 +397,7 @@ def main() -> None:
         for s, (versions, fr) in states.items():
             meta[f"floors-{s}"] = {"bytes": sum(len(e.data) for e in versions[-1])}
             meta[f"floors-{s}"] |= floors(versions[-1], tmp)
+            meta[f"floors-{s}"] |= codec_floors(versions[0], versions[-1])
             for busy in sorted({0.0, args.busy_disk_gb}):
                 rows += run_state(
                     s,
@@ -375,6 +431,12 @@ def main() -> None:
         print(
             f"floors {s} ({f['bytes'] / MB:.0f} MB, local disk): sha256 one thread "
             f"{f['sha256_s']:.2f} s, write+fsync {f['write_fsync_s']:.2f} s"
+        )
+        print(
+            f"a delta's own work ({s}, v{args.steps} against v0, one thread, CPU s): XOR "
+            f"{f['xor_cpu_s']:.2f}, zstd {f['zstd_cpu_s']:.2f} (to "
+            f"{f['zstd_bytes'] / f['bytes']:.3f} of the bytes), unzstd {f['unzstd_cpu_s']:.2f}, "
+            f"BLAKE3 {f['blake3_cpu_s']:.2f}"
         )
         if "tree_blake3_s" in f:
             one = f["sha256_one_pass_s"]

@@ -5,9 +5,10 @@
 through an XOR against the base's bytes (``storage.delta_format``) into
 ``<name>.xor.zst``; a file equal to the base's is not stored at all; any other
 file is stored whole. The manifest names the base, its digest, and every rebuilt
-file's full size, sha256 and hash tree (``storage.tree``; all hashed from the new
-bytes as they stream in), so a reader verifies what it rebuilds, never what it was
-told.
+file's full size, sha256 and hash tree (``storage.tree``; hashed from the new
+bytes as they stream in, but for the tree's chunks the step left as the base's,
+whose hashes are the checked base's), so a reader verifies what it rebuilds, never
+what it was told.
 
 The base is a full version (never a delta: chains stay one link long), chosen by
 ``choose_base``: the newest committed full version fewer than ``full_every``
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 import fsspec
@@ -41,6 +43,7 @@ from storage.delta_format import (
     FrameWriter,
     first_frame,
     header_size,
+    is_zero,
     parse_layout,
     read_layout,
     xor_into,
@@ -100,20 +103,36 @@ class _XorFile(HashingWriter):
     """A file of the new version, written as frames of (new XOR base image) into
     ``inner``; its own sha256, tree and size are those of the full new bytes. Frames
     line up with the tree's chunks (``delta_format``): the bytes of a frame are XORed
-    into its buffer as they arrive, and it is compressed once full."""
+    into its buffer as they arrive, and it is compressed once full.
 
-    def __init__(self, name: str, base_path: str, inner: HashingWriter, on_close: Any):
-        super().__init__(name, on_close, chunks=tree.CHUNK)
+    A chunk the step left as the base's (a zero XOR over the base file's own bytes at
+    the same offsets) takes its hash from the base's tree, which ``DeltaWriter.open``
+    checked first, instead of being hashed again. So each piece is XORed before its
+    chunk hash is started: while every byte of a chunk so far was the base's, nothing
+    is hashed; at its first changed byte the unchanged bytes before it (the base's,
+    read back from the base file) are hashed, then the rest as it comes."""
+
+    def __init__(
+        self, name: str, base_path: str, base: FileEntry, inner: HashingWriter, on_close: Any
+    ):
+        super().__init__(name, on_close)  # the tree is hashed here, chunk by chunk
+        self.chunk = tree.CHUNK
         self._base_path, self._inner = base_path, inner
+        # The base's chunk hashes stand for unchanged chunks when they are of this size.
+        self._base = base if base.tree is not None and base.tree.chunk == tree.CHUNK else None
         self._head = bytearray()  # the first bytes, held until the image is chosen
         self._off = 0  # bytes of the new file already XORed into frames
         self._fbuf = np.empty(FRAME, np.uint8)  # reused: the frame being filled
         self._fill = 0  # bytes of the frame being filled
         self._image: BaseImage | None = None
         self._frames: FrameWriter | None = None
+        self._chunks: list[Any] = []  # per chunk: its digest, or the hasher it is fed to
+        # The current chunk's start while every byte of it so far is the base's.
+        self._same_since: int | None = None
+        self._hashing: list[Future] = []  # chunk hashes of the bytes handed to _emit
 
     def _emit(self, mv: memoryview) -> None:
-        futs = self._hash(mv)  # sha256 and chunk hashes overlap XOR and zstd
+        futs = self._hash_sha(mv)  # the file's sha256 overlaps XOR, chunk hashes and zstd
         try:
             if self._frames is not None:
                 self._xor(mv)
@@ -121,7 +140,11 @@ class _XorFile(HashingWriter):
                 self._head += mv
                 self._start_if_ready(final=False)
         finally:
-            wait(futs)  # the caller may reuse its buffer once write() returns
+            wait(futs + self._take_hashing())  # the caller may reuse its buffer after write()
+
+    def _take_hashing(self) -> list[Future]:
+        futs, self._hashing = self._hashing, []
+        return futs
 
     def _start_if_ready(self, final: bool) -> None:
         """Pick the image once the head is known; the first frame holds the whole head."""
@@ -145,16 +168,63 @@ class _XorFile(HashingWriter):
         self._xor(memoryview(head))
 
     def _xor(self, mv: memoryview) -> None:
-        """XOR ``mv`` (the next new bytes) into the frame buffer; a full frame is sent."""
+        """XOR ``mv`` (the next new bytes) into the frame buffer, piece by piece (no
+        piece crosses a chunk); a full frame is sent."""
         assert self._image is not None and self._frames is not None
-        i = 0
+        i, step = 0, self.chunk
         while i < len(mv):
-            n = min(len(self._fbuf) - self._fill, len(mv) - i)
+            n = min(len(self._fbuf) - self._fill, len(mv) - i, step - self._off % step)
             x = self._image.read_into(self._off, self._fbuf[self._fill : self._fill + n])
             xor_into(x, mv[i : i + n])
+            self._hash_piece(mv[i : i + n], x)
             i, self._off, self._fill = i + n, self._off + n, self._fill + n
+            if self._off % step == 0:
+                self._end_chunk(self._off)
             if self._fill == len(self._fbuf):
                 self._send()
+
+    def _hash_piece(self, piece: memoryview, x: np.ndarray) -> None:
+        """Start the chunk hash of ``piece`` (new bytes at ``self._off``; ``x``: their XOR)."""
+        assert self._image is not None
+        lo, hi = self._off, self._off + len(piece)
+        if lo % self.chunk == 0:  # a new chunk: the base's, until a byte says otherwise
+            self._chunks.append(None)
+            self._same_since = lo if self._base is not None else None
+        start = self._same_since
+        if start is not None and self._image.identical(lo, hi) and is_zero(x):
+            return  # the base's bytes: hashed only if the chunk changes later
+        h = self._chunks[-1]
+        if start is not None:  # its first change: hash the base's bytes before it first
+            self._same_since, h = None, tree.new_hasher()
+            self._chunks[-1] = h
+        elif h is None:
+            h = self._chunks[-1] = tree.new_hasher()
+        self._hashing.append(tree.pool().submit(self._feed, h, start, lo, piece))
+
+    def _feed(self, h: Any, start: int | None, lo: int, piece: memoryview | None) -> None:
+        """Feed ``h`` the base's bytes [start, lo) (the same as the new ones there), then
+        ``piece``. One task per hasher at a time: its bytes go in order."""
+        if start is not None and lo > start:
+            assert self._image is not None
+            h.update(self._image.read_into(start, np.empty(lo - start, np.uint8)))
+        if piece is not None:
+            h.update(piece)
+
+    def _end_chunk(self, hi: int) -> None:
+        """The current chunk ends at ``hi``: one whose bytes are all the base's takes the
+        base's hash when the base's chunk spans the same bytes, else its bytes (the
+        base's) are hashed."""
+        start, self._same_since = self._same_since, None
+        if start is None:
+            return
+        assert self._base is not None and self._base.tree is not None
+        k = start // self.chunk
+        hashes = self._base.tree.hashes
+        if k < len(hashes) and min(start + self.chunk, self._base.bytes) == hi:
+            self._chunks[k] = bytes.fromhex(hashes[k])
+        else:
+            h = self._chunks[k] = tree.new_hasher()
+            self._hashing.append(tree.pool().submit(self._feed, h, start, hi, None))
 
     def _send(self) -> None:
         assert self._frames is not None
@@ -164,10 +234,16 @@ class _XorFile(HashingWriter):
             self._fbuf = np.empty(FRAME, np.uint8)
 
     def _finish(self) -> None:
-        if self._frames is None:
-            self._start_if_ready(final=True)
-        if self._fill:
-            self._send()
+        try:
+            if self._frames is None:
+                self._start_if_ready(final=True)
+            if self._off % self.chunk:
+                self._end_chunk(self._off)
+            if self._fill:
+                self._send()
+        finally:
+            wait(self._take_hashing())  # no hash may still read the image
+        self.digests = [c if isinstance(c, bytes) else c.digest() for c in self._chunks]
         self._close_image()
         self._inner.close()
 
@@ -178,6 +254,8 @@ class _XorFile(HashingWriter):
 
     def abort(self) -> None:
         super().abort()
+        for f in self._take_hashing():
+            f.exception()  # no hash may still read the image
         self._close_image()
         self._inner.abort()
 
@@ -223,7 +301,7 @@ class DeltaWriter:
             return self._inner.open(name)
         path = os.path.join(self._dir, name)
         verify_base_file(path, b, self._base.version, self.version)
-        return _XorFile(name, path, self._inner.open(name + DELTA_SUFFIX), self._closed)
+        return _XorFile(name, path, b, self._inner.open(name + DELTA_SUFFIX), self._closed)
 
     def _closed(self, w: HashingWriter) -> None:
         with self._lock:

@@ -84,6 +84,7 @@ class HashingWriter:
         self.bytes = 0
         self._sha: Any = hashlib.sha256() if sha else None
         self._tree = tree.ChunkHasher(chunks) if chunks else None
+        self.chunk = chunks  # bytes per chunk of its tree (None: no tree)
         self._buf = bytearray()
         self._on_close = on_close
         self.closed = False
@@ -137,10 +138,14 @@ class HashingWriter:
     def _hash(self, mv: memoryview) -> list[Future]:
         """Start hashing ``mv`` on helper threads; wait for the futures (``wait``)
         before the caller may reuse the buffer."""
-        futs = [] if self._sha is None else [_hash_pool().submit(self._sha.update, mv)]
+        futs = self._hash_sha(mv)
         if self._tree is not None:
             futs += self._tree.feed(mv)
         return futs
+
+    def _hash_sha(self, mv: memoryview) -> list[Future]:
+        """The sha256 share of ``_hash``: for a writer that hashes its tree itself."""
+        return [] if self._sha is None else [_hash_pool().submit(self._sha.update, mv)]
 
     def close(self) -> None:
         if self.closed:
@@ -166,8 +171,8 @@ class HashingWriter:
         """The manifest entry of the closed file: size, sha256 and (with chunks) tree."""
         assert self.sha256 is not None, f"{self.name}: no sha256 (closed, with sha?)"
         t = None
-        if self._tree is not None and self.digests is not None:
-            t = tree.make(self.bytes, self.sha256, self.digests, self._tree.chunk)
+        if self.chunk is not None and self.digests is not None:
+            t = tree.make(self.bytes, self.sha256, self.digests, self.chunk)
         return FileEntry(name=self.name, bytes=self.bytes, sha256=self.sha256, tree=t)
 
     def abort(self) -> None:

@@ -38,6 +38,7 @@ from storage.delta_format import (
     BaseImage,
     compressed_frames,
     decompress_into,
+    is_zero,
     parse_layout,
     read_layout,
     read_mode,
@@ -302,7 +303,7 @@ class _Decode:
         if min(lo + b.chunk, self.base_e.bytes) != hi:
             return False
         assert self.image is not None
-        return self.image.identical(lo, hi) and not x.any()
+        return self.image.identical(lo, hi) and is_zero(x)
 
     def _verify(self) -> None:
         e, m = self.e, self.m

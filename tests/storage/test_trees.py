@@ -154,6 +154,72 @@ def test_unchanged_chunks_of_a_delta_carry_their_hashes_from_the_base(tmp_path, 
     assert verify_dir(path).rebuilt() == m1.rebuilt()
 
 
+class _CountingHasher:
+    """A BLAKE3 hasher that records how many bytes it was fed (into ``fed``)."""
+
+    def __init__(self, fed: list[int]):
+        self._h, self._fed = blake3(), fed
+        fed.append(0)
+        self._i = len(fed) - 1
+
+    def update(self, data) -> None:
+        self._fed[self._i] += memoryview(data).nbytes
+        self._h.update(data)
+
+    def digest(self) -> bytes:
+        return self._h.digest()
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def _changed(big: bytes, how: str) -> bytes:
+    new = bytearray(big)
+    if how == "one chunk":
+        new[C + 100] ^= 0x10
+    elif how == "late in a chunk":  # the chunk's unchanged start is hashed from the base
+        new[2 * C - 5] ^= 0x10
+    elif how == "shorter":  # the last chunk spans fewer bytes than the base's
+        del new[-100:]
+    elif how == "longer":
+        new += b"tail"
+    return bytes(new)
+
+
+@pytest.mark.parametrize(
+    "how, hashed",
+    [("one chunk", [C]), ("late in a chunk", [C]), ("shorter", [12245]), ("longer", [12349])],
+)
+def test_the_publisher_carries_the_hashes_of_chunks_a_delta_leaves_unchanged(
+    tmp_path, big, monkeypatch, how, hashed
+):
+    """A delta's publisher hashes only the chunks that differ from the base's (the base
+    checked first); the others take the base's hashes. Its tree is the one a fresh hash
+    of the new bytes gives, and the version rebuilds to them."""
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "r")
+    new = _changed(big, how)
+    _publish(store, 0, {"big.bin": big})
+    fed: list[int] = []
+    monkeypatch.setattr(tree_mod, "new_hasher", lambda: _CountingHasher(fed))
+    w = store.weights_writer(1, 1, 0, full_every=5)
+    with w.open("big.bin") as f:  # in 5 MiB writes: a chunk's bytes come in pieces
+        for i in range(0, len(new), 5 << 20):
+            f.write(new[i : i + (5 << 20)])
+    m1 = w.commit()
+    monkeypatch.undo()
+    assert m1.delta is not None
+    # The small .xor.zst is hashed as it is written, and each root over a few hashes.
+    delta_file = m1.files[0].bytes
+    assert sorted(n for n in fed if n != delta_file and n > 1000) == hashed
+    e = m1.delta.full[0]
+    want = [blake3(new[i : i + C]).digest() for i in range(0, len(new), C)]
+    assert [bytes.fromhex(h) for h in e.tree.hashes] == want
+    assert e.tree == tree_mod.make(len(new), hashlib.sha256(new).hexdigest(), want)
+    path = store.pull(1, str(tmp_path / "cache")).path
+    assert open(os.path.join(path, "big.bin"), "rb").read() == new
+    assert verify_dir(path) is not None
+
+
 def test_rot_under_a_carried_chunk_is_refused_at_load_and_a_verified_pull_repairs_it(tmp_path, big):
     """A base this process verified is trusted while its inode, size and mtime stay:
     rot that keeps them reaches the rebuilt file through a carried chunk, and the
