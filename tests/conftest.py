@@ -95,6 +95,12 @@ def prefect_api(prefect_server):
         # Also process-wide, as prefect_test_harness does: contexts copied earlier see it.
         with _temporary_global_settings_context(get_settings_context()):
             yield prefect_server.api_url
+            from prefect.logging.handlers import APILogHandler
+
+            # The in-process flows' last logs go to the server while it still runs:
+            # left queued, the log worker sent them at the interpreter's exit, after
+            # the server stopped, and retried for ~70 s ("Error logging to API").
+            APILogHandler().flush()
 
 
 # The files that take longest, longest first (seconds: a file's setup, call and

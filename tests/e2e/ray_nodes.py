@@ -75,10 +75,13 @@ class RayNodes:
         proc.wait(timeout=10)
 
     def close(self) -> None:
+        """SIGKILL every node's processes, as ``lose`` does: the cluster and what runs on
+        it are thrown away, and ``ray start --block`` never ended within ``stop``'s 10 s
+        of grace after a SIGTERM (a module's teardown waited 10 s for the head alone)."""
         for name in [n for n in self.procs if n != "head"] + ["head"]:
             proc = self.procs.pop(name, None)
             if proc is not None:
-                stop(proc)
+                stop(proc, signals=())
         forget_ray_address(self.port)
 
     def _start(

@@ -17,8 +17,10 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -99,10 +101,13 @@ def rl_run_args(config: str, over: dict) -> list[str]:
 
 def run_to_exit(
     args: list[str], env: dict[str, str], settle: bool = False, timeout: float = 600
-) -> tuple[int, str, list[int]]:
+) -> tuple[int, str, Future[list[str]]]:
     """Run ``args`` in a session of its own until it exits (a SIGKILL included): its
-    return code, its stderr and, with ``settle``, what was still running in its session
-    once processes stopped ending. Whatever is left is SIGKILLed before this returns."""
+    return code, its stderr and what was still running in its session once processes
+    stopped ending, a line per process (with ``settle``; else nothing: whatever is left
+    is SIGKILLed before this returns). The settling is watched on a thread, so the
+    caller goes on at once: after a SIGKILLed run, Ray's agents can take a minute to
+    end, which a test's next runs need not wait for. What is left then is SIGKILLed."""
     proc = subprocess.Popen(
         args,
         cwd=ROOT,
@@ -114,11 +119,37 @@ def run_to_exit(
     )
     try:
         _, err = proc.communicate(timeout=timeout)
-        left = settled_session(proc.pid) if settle else []
-    finally:
+    except BaseException:
         proc.kill()
         kill_session(proc.pid)
+        raise
+    left: Future[list[str]] = Future()
+    if settle:
+        threading.Thread(target=_settle, args=(proc.pid, left), daemon=True).start()
+    else:
+        kill_session(proc.pid)
+        left.set_result([])
     return proc.returncode, err, left
+
+
+def describe(pids: list[int]) -> list[str]:
+    """``pid: command line`` of each of ``pids`` still there."""
+    out = []
+    for pid in pids:
+        try:
+            out.append(f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()[:120]!r}")
+        except OSError:  # ended since it was seen: still named, never dropped
+            out.append(f"{pid}: (ended while described)")
+    return out
+
+
+def _settle(sid: int, left: Future[list[str]]) -> None:
+    try:
+        left.set_result(describe(settled_session(sid)))
+    except BaseException as e:  # the waiting test sees it
+        left.set_exception(e)
+    finally:
+        kill_session(sid)
 
 
 def stop(
@@ -342,7 +373,9 @@ class Stack:
         # --overwrite: a second stack on the session's server (test_multinode.py and
         # test_deployments.py in one pytest process, as without xdist) finds the pool.
         self.cli("work-pool", "create", "rl-process", "--type", "process", "--overwrite")
-        self.cli("--no-prompt", "deploy", "--all")
+        # The worker starts on the pool while the deployments are made (two CLI
+        # processes, seconds each on 2 cores): it has nothing to pick up before a test
+        # runs a deployment.
         # The worker ignores the first SIGTERM (its CLI passes SIGINT on, and the worker
         # never ended within 10 s of it): send it twice, a second apart, then SIGKILL.
         # Every flow run it started has finished by then (each test waits for its own).
@@ -352,6 +385,7 @@ class Stack:
             stop_signals=(signal.SIGTERM, signal.SIGTERM),
             grace_s=1,
         )
+        self.cli("--no-prompt", "deploy", "--all")
         _wait(lambda: "started" in log.read_text().lower(), "prefect worker", 120, proc, log)
 
     def log_tail(self, name: str, chars: int = 6000) -> str:
