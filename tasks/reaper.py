@@ -69,12 +69,39 @@ def _marked(predicate) -> list[int]:
     return found
 
 
+def _with_descendants(pids: list[int]) -> list[int]:
+    """``pids`` and every live process of this user below them. A process may lose its
+    mark: Ray's agents set their process title over the environment's memory, so
+    ``/proc/PID/environ`` no longer shows the token, but their parent (a marked
+    raylet) still names them its children."""
+    uid, children = os.getuid(), {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if d.stat().st_uid != uid:
+                continue
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    found, todo = set(pids), list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found and child != os.getpid():
+                found.add(child)
+                todo.append(child)
+    return sorted(found)
+
+
 def reap(predicate, grace_s: float = 3.0, rounds: int = 5) -> list[int]:
-    """SIGTERM the marked processes, SIGKILL what is left after ``grace_s``; repeated
-    while new ones appear (a dying raylet may still start a worker). The pids ended."""
+    """SIGTERM the marked processes and their descendants, SIGKILL what is left after
+    ``grace_s``; repeated while new ones appear (a dying raylet may still start a
+    worker). The pids ended."""
     ended: set[int] = set()
     for _ in range(rounds):
         pids = _marked(predicate)
+        pids = _with_descendants(pids) if pids else pids
         if not pids:
             break
         ended.update(pids)

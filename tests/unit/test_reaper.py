@@ -1,6 +1,7 @@
 """Nothing a run started outlives it: SIGKILL the guarded process and what it
-started ends (its own session left too); kill its watcher with it and the
-next guarded run ends the leftovers."""
+started ends (its own session left too, and a process whose environment lost the
+mark, below a marked parent); kill its watcher with it and the next guarded run
+ends the leftovers."""
 
 from __future__ import annotations
 
@@ -28,8 +29,16 @@ token = reaper.guard()
 quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 child = subprocess.Popen(["sleep", "600"], **quiet)
 detached = subprocess.Popen(["setsid", "sleep", "601"], **quiet)
+# A grandchild without the mark (as Ray's agents look once they set their title over
+# their environment), under a marked parent that is still alive.
+holder = subprocess.Popen(
+    [sys.executable, "-c", "import subprocess; p = subprocess.Popen(['sleep', '602'], env={}); "
+     "print(p.pid, flush=True); p.wait()"],
+    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+)
+unmarked = int(holder.stdout.readline())
 time.sleep(0.3)
-print(child.pid, detached.pid, flush=True)
+print(child.pid, detached.pid, unmarked, flush=True)
 if sys.argv[1] == "with-watcher":
     for d in Path("/proc").iterdir():
         try:
