@@ -179,38 +179,21 @@ class DurableState:
         parent: int | None,
         base_model_path: str,
     ) -> dict:
-        """Rank 0: write ``state`` as ``weights/v{version}`` and commit it (manifest last)."""
+        """Rank 0: write ``state`` as ``weights/v{version}`` and commit it (manifest last).
+        With LoRA, ``state`` is the adapters: peft's two files, committed as an adapter of
+        v0 (its manifest names v0 and the digest of v0's files)."""
         if self.lora is not None:
-            return self._write_adapter(store, state, version, iteration, parent, base_model_path)
-        # delta on: XOR against the newest full version within full_every (storage.delta)
-        every = self.weights_cfg.full_every if self.weights_cfg.delta == "on" else None
-        writer = store.weights_writer(
-            version, iteration, parent, full_every=every, base_cache_dir=self._base_cache()
-        )
-        written = write_hf_weights(writer, state, self.weights_cfg.shard_size, base_model_path)
-        manifest = manifest_dict(writer.commit())
-        return {
-            "version": version,
-            "iteration": iteration,
-            "parent": parent,
-            **written,
-            "manifest": manifest,
-        }
-
-    def _write_adapter(
-        self,
-        store: Any,
-        state: dict,
-        version: int,
-        iteration: int,
-        parent: int | None,
-        base_model_path: str,
-    ) -> dict:
-        """Rank 0, with LoRA: ``state`` (the adapters) as peft's two files, committed as
-        an adapter of v0 (its manifest names v0 and the digest of v0's files)."""
-        writer = store.weights_writer(version, iteration, parent)
-        written = write_adapter(writer, state, peft_config(self.lora, base_model_path))
-        manifest = manifest_dict(writer.commit(adapter=store.adapter_of(0)))
+            writer = store.weights_writer(version, iteration, parent)
+            written = write_adapter(writer, state, peft_config(self.lora, base_model_path))
+            manifest = manifest_dict(writer.commit(adapter=store.adapter_of(0)))
+        else:
+            # delta on: XOR against the newest full version within full_every (storage.delta)
+            every = self.weights_cfg.full_every if self.weights_cfg.delta == "on" else None
+            writer = store.weights_writer(
+                version, iteration, parent, full_every=every, base_cache_dir=self._base_cache()
+            )
+            written = write_hf_weights(writer, state, self.weights_cfg.shard_size, base_model_path)
+            manifest = manifest_dict(writer.commit())
         return {
             "version": version,
             "iteration": iteration,
