@@ -141,7 +141,9 @@ class WeightsManifest(BaseModel):
     iteration: int = Field(ge=0)  # training iteration whose weights these are
     parent: int | None = Field(default=None, ge=0)  # version these were trained from
     created_at: float  # unix seconds when the manifest was written
-    format: Literal["hf-safetensors"] = "hf-safetensors"  # HF folder of safetensors shards
+    # The files' encoding: safetensors (an HF model folder; with ``adapter``, peft's
+    # adapter files, whose own format ``adapter.format`` names).
+    format: Literal["hf-safetensors"] = "hf-safetensors"
     files: tuple[FileEntry, ...]  # every file of the version except manifest.json
     # Set: the version is a delta; ``files`` are what is stored, ``delta.full`` what it rebuilds to.
     delta: DeltaOf | None = None
