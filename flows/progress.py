@@ -10,12 +10,17 @@ def _f(x: Any, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _mb(n: int | None) -> str:
+    return "" if n is None else f" ({n / 1e6:.1f} MB)"
+
+
 def iteration_line(row: dict[str, Any], total: int) -> str:
     return (
         f"[iter {row['iteration']:>3}/{total}] reward={_f(row.get('reward_mean'))} "
         f"loss={_f(row.get('loss'), '.4f')} kl={_f(row.get('kl'), '.4f')} "
         f"gen={_f(row.get('gen_tokens_per_s'), '.0f')} tok/s train={_f(row.get('train_tokens_per_s'), '.0f')} tok/s "
-        f"publish={_f(row.get('publish_s'), '.2f')}s reload={_f(row.get('reload_s'), '.2f')}s "
+        f"publish={_f(row.get('publish_s'), '.2f')}s reload={_f(row.get('reload_s'), '.2f')}s"
+        f"{_mb(row.get('sync_bytes'))} "
         f"sample={row.get('example', '')!r}"
     )
 

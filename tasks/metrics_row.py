@@ -39,9 +39,20 @@ def metrics_row(
         "train_tokens_per_s": t.get("tokens_per_s"),
         "publish_s": p.get("publish_s"),
         "reload_s": max((x.get("reload_s") or 0.0 for x in reloads), default=0.0),
+        "sync_bytes": sync_bytes(p, reloads),
         "example": r.get("example"),
         **row_fields(results.get("evaluate")),
         **row_fields(results.get(BASE_EVAL), prefix="eval_base"),
         **tool_row_fields(r.get("tools")),
         **sampling_row_fields(r.get("sampling")),
     }
+
+
+def sync_bytes(publish: dict[str, Any], reloads: list[dict[str, Any]]) -> int | None:
+    """The most bytes one engine received to serve this iteration's weights: what was
+    pushed to it or pulled into its node's cache; else, where engines read the version
+    folder itself, the version's stored bytes (a LoRA adapter's, a delta's). None when
+    neither is known (a version still written in the background)."""
+    moved = [(x.get("push") or x.get("pull") or {}).get("bytes") for x in reloads]
+    known = [b for b in moved if b is not None]
+    return max(known) if known else publish.get("bytes")

@@ -145,6 +145,8 @@ class IterationRow(StepResult):
     train_tokens_per_s: float | None
     publish_s: float | None
     reload_s: float
+    # Bytes one engine received for the weights (tasks.metrics_row.sync_bytes).
+    sync_bytes: int | None = None
     example: str | None
     # Set only in evaluated iterations (rollout.evaluation.row_fields).
     eval_pass_at_1_greedy: float | None = None

@@ -71,6 +71,9 @@ def test_a_lora_run_publishes_adapters_of_v0_and_engines_serve_them(through):
         assert {s["weight_version"] for s in store.read_rollouts(k)["samples"]} == {k - 1}
         assert store.read_record(k, "verify-e0")["result"]["served"] == str(k)
     assert store.serving_versions() == {0: 3}
+    # each sync moved the adapter (pushed as tensors), a small part of the model's bytes
+    model_bytes = base.total_bytes()
+    assert all(0 < r["sync_bytes"] < model_bytes / 3 for r in rows), [r["sync_bytes"] for r in rows]
 
 
 def test_a_lora_run_resumed_on_s3_ends_with_the_adapters_of_one_that_ran_through(
