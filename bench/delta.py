@@ -9,8 +9,8 @@ shape in bf16 (CUDA when there is one, else CPU with tiny batches).
 Each path as a run uses it (``training.durable._write_hf``, ``tasks.serving``):
 
 - publish: ``RunStore.weights_writer`` (full: every byte hashed, sha256 and the
-  hash tree, written and fsynced; delta: XOR against v0, zstd, the sha256 and
-  tree of the new bytes, the small delta files fsynced), then commit.
+  hash tree, written and fsynced; delta: XOR against v0, encoded (``xor-words``),
+  the sha256 and tree of the new bytes, the small delta files fsynced), then commit.
 - pull: what happens before an engine loads. Local disk, full: nothing (engines
   load the committed folder, ``engine_weights``); local disk, delta: the pull
   that rebuilds and verifies into the engines' cache, which holds v0 already
@@ -25,16 +25,16 @@ first delta also pays what is paid once per base (the publisher hashes the
 base's files; on S3 it pulls the base): its row shows it. Floors from the same
 run, over the last version's bytes: ``sha256`` (one thread, as one file is
 hashed), ``write+fsync`` (what a full publish must do), and how many seconds
-each takes; and a delta's own work against v0 in CPU seconds (XOR, zstd,
-unzstd, BLAKE3), beside each row's CPU seconds per step in the JSON. Each path
-deletes its own output before its next version (the full path its last version,
-the delta path its rebuilt folder), so both write into page cache freed a moment
-ago (see ``bench.weights_io`` on first-touch costs of VMs).
-A full version's hash, over its committed files on local disk (warm
-page cache, median of 5): one sha256 pass per file (how a version was verified
-before hash trees), its hash tree (BLAKE3 per 8 MiB chunk on every core, as
-``verify_dir`` does it) and the same chunks hashed with sha256 on every core (the
-other candidate). Wall and CPU seconds (this process). No assertions.
+each takes; and a delta's own work against v0 in CPU seconds (XOR, encode,
+decode-and-apply, BLAKE3), beside each row's CPU seconds per step in the JSON.
+Each path deletes its own output before its next version (the full path its last
+version, the delta path its rebuilt folder), so both write into page cache freed a
+moment ago (see ``bench.weights_io`` on first-touch costs of VMs). A full
+version's hash, over its committed files on local disk (warm page cache, median
+of 5): one sha256 pass per file (how a version was verified before hash trees),
+its hash tree (BLAKE3 per 8 MiB chunk on every core, as ``verify_dir`` does it)
+and the same chunks hashed with sha256 on every core (the other candidate). Wall
+and CPU seconds (this process). No assertions.
 
 ``--busy-disk-gb 2.3`` times each local-disk path again while a checkpoint-sized
 writer streams to the same disk (a run saving every iteration): the case where
@@ -71,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.delta_states import real_states, synthetic_states, tiny_states  # noqa: E402
 from storage import RunStore, S3Options, StorageConfig, tree, verify_dir  # noqa: E402
-from storage.delta_format import FRAME, LEVEL, decompress_into  # noqa: E402
+from storage.delta_format import CODEC, FRAME, LEVEL, XorWords, encode_words  # noqa: E402
 from storage.hashio import hash_file, start_writeback, write_all  # noqa: E402
 from storage.safetensors_io import TensorEntry, write_hf_shards  # noqa: E402
 
@@ -128,11 +128,11 @@ def floors(entries: list[TensorEntry], tmp: str) -> dict[str, float]:
     return {"sha256_s": round(sha_s, 3), "write_fsync_s": round(write_s, 3)}
 
 
-def codec_floors(base: list[TensorEntry], new: list[TensorEntry]) -> dict[str, float]:
+def codec_floors(base: list[TensorEntry], new: list[TensorEntry]) -> dict[str, Any]:
     """CPU seconds of a delta's own work over ``new``'s bytes against ``base`` (tensors
-    matched by name), one FRAME-sized frame at a time: the XOR, zstd as
-    storage.delta_format compresses (its own threads counted) and decompresses it, and
-    BLAKE3 (a tree's chunks). The sha256 and write floors are ``floors``'."""
+    matched by name), one FRAME-sized frame at a time: the XOR, the codec's encode (as
+    ``FrameWriter``) and decode-and-apply (as a rebuild: the nonzero words XORed into
+    an image), and BLAKE3 (a tree's chunks). The sha256 and write floors: ``floors``."""
     by_name = {e.name: e for e in base}
     xs = []
     for e in new:
@@ -147,24 +147,26 @@ def codec_floors(base: list[TensorEntry], new: list[TensorEntry]) -> dict[str, f
     out = np.empty(FRAME, np.uint8)
 
     def cpu(fn: Callable[[], object]) -> float:
-        # The process's CPU (zstd compresses on threads of its own); nothing else runs.
+        # The process's CPU (all its threads); nothing else runs.
         t0 = time.process_time()
         fn()
         return round(time.process_time() - t0, 3)
 
-    c = zstandard.ZstdCompressor(level=LEVEL, threads=-1)  # as FrameWriter: threads in zstd
+    c = zstandard.ZstdCompressor(level=LEVEL)  # as FrameWriter
     packed: list[bytes] = []
-    zstd_s = cpu(lambda: packed.extend(c.compress(f) for f in frames))
+    encode_s = cpu(lambda: packed.extend(encode_words(c, f) for f in frames))
+    scratch, words, jobs = np.empty(FRAME, np.uint8), XorWords(), list(zip(packed, frames))
     return {
         # Two frames in, one out, as a XOR against the base reads (frames[0] is the longest).
         "xor_cpu_s": cpu(
             lambda: [np.bitwise_xor(f, frames[0][: len(f)], out=out[: len(f)]) for f in frames]
         ),
-        "zstd_cpu_s": zstd_s,
-        "zstd_bytes": sum(len(p) for p in packed),
-        # Into one reused buffer, as a rebuild does: a fresh one per frame costs page faults.
-        "unzstd_cpu_s": cpu(
-            lambda: [decompress_into(p, out[: len(f)], "bench") for p, f in zip(packed, frames)]
+        "codec": CODEC,
+        "encode_cpu_s": encode_s,
+        "encoded_bytes": sum(len(p) for p in packed),
+        # Into reused buffers, as a rebuild does: a fresh one per frame costs page faults.
+        "decode_apply_cpu_s": cpu(
+            lambda: [words.apply(p, out[: len(f)], scratch, "bench") for p, f in jobs]
         ),
         "blake3_cpu_s": cpu(lambda: [tree.digest(f) for f in frames]),
     }
@@ -434,9 +436,9 @@ def main() -> None:
         )
         print(
             f"a delta's own work ({s}, v{args.steps} against v0, one thread, CPU s): XOR "
-            f"{f['xor_cpu_s']:.2f}, zstd {f['zstd_cpu_s']:.2f} (to "
-            f"{f['zstd_bytes'] / f['bytes']:.3f} of the bytes), unzstd {f['unzstd_cpu_s']:.2f}, "
-            f"BLAKE3 {f['blake3_cpu_s']:.2f}"
+            f"{f['xor_cpu_s']:.2f}, {f['codec']} encode {f['encode_cpu_s']:.2f} (to "
+            f"{f['encoded_bytes'] / f['bytes']:.3f} of the bytes), decode and apply "
+            f"{f['decode_apply_cpu_s']:.2f}, BLAKE3 {f['blake3_cpu_s']:.2f}"
         )
         if "tree_blake3_s" in f:
             one = f["sha256_one_pass_s"]

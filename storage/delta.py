@@ -2,9 +2,9 @@
 
 ``DeltaWriter`` has the surface of ``WeightsWriter`` (``open``, ``add_file``,
 ``commit``, ``abort``) and wraps one: a file the base also holds is streamed
-through an XOR against the base's bytes (``storage.delta_format``) into
-``<name>.xor.zst``; a file equal to the base's is not stored at all; any other
-file is stored whole. The manifest names the base, its digest, and every rebuilt
+through an XOR against the base's bytes into ``<name>.xor.zst``, encoded by
+``storage.delta_format``'s one writer (codec ``xor-words``); a file equal to the
+base's is not stored at all; any other file is stored whole. The manifest names the base, its digest, and every rebuilt
 file's full size, sha256 and hash tree (``storage.tree``; hashed from the new
 bytes as they stream in, but for the tree's chunks the step left as the base's,
 whose hashes are the checked base's), so a reader verifies what it rebuilds, never
@@ -35,6 +35,7 @@ import numpy as np
 
 from storage import tree
 from storage.delta_format import (
+    CODEC,
     DELTA_SUFFIX,
     FRAME,
     RAW,
@@ -103,7 +104,7 @@ class _XorFile(HashingWriter):
     """A file of the new version, written as frames of (new XOR base image) into
     ``inner``; its own sha256, tree and size are those of the full new bytes. Frames
     line up with the tree's chunks (``delta_format``): the bytes of a frame are XORed
-    into its buffer as they arrive, and it is compressed once full.
+    into its buffer as they arrive, and it is encoded once full.
 
     A chunk the step left as the base's (a zero XOR over the base file's own bytes at
     the same offsets) takes its hash from the base's tree, which ``DeltaWriter.open``
@@ -132,7 +133,7 @@ class _XorFile(HashingWriter):
         self._hashing: list[Future] = []  # chunk hashes of the bytes handed to _emit
 
     def _emit(self, mv: memoryview) -> None:
-        futs = self._hash_sha(mv)  # the file's sha256 overlaps XOR, chunk hashes and zstd
+        futs = self._hash_sha(mv)  # the file's sha256 overlaps XOR, chunk hashes and encoding
         try:
             if self._frames is not None:
                 self._xor(mv)
@@ -264,7 +265,8 @@ def _own_name(name: str) -> str:
     """``name``, refused when it ends like a delta file (a reader would decode it)."""
     if name.endswith(DELTA_SUFFIX):
         raise StorageError(
-            f"file name {name!r} ends with {DELTA_SUFFIX!r}, which delta versions reserve; rename it"
+            f"file name {name!r} ends with {DELTA_SUFFIX!r}, which delta versions reserve; "
+            f"rename it"
         )
     return name
 
@@ -277,7 +279,8 @@ class DeltaWriter:
     def __init__(self, inner: WeightsWriter, base: WeightsManifest, base_dir: str):
         if base.delta is not None:
             raise StorageError(
-                f"{version_name(base.version)} is itself a delta; a delta's base must be a full version"
+                f"{version_name(base.version)} is itself a delta; a delta's base must be a "
+                f"full version"
             )
         self._inner, self._base, self._dir = inner, base, base_dir
         self._base_files = {f.name: f for f in base.files}
@@ -328,6 +331,7 @@ class DeltaWriter:
         delta = DeltaOf(
             base=self._base.version,
             base_digest=self._base.digest(),
+            codec=CODEC,
             full=tuple(sorted(full.values(), key=lambda f: f.name)),
         )
         return self._inner.commit(delta)

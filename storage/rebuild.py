@@ -9,9 +9,10 @@ the file and (with trees) the chunk; nothing half-rebuilt is ever left where a
 loader looks (the caller rebuilds in a staging folder). Must not fetch anything:
 the stored files and the base are already local and verified when it runs.
 
-One pass: a file's frames are decoded on every core (``storage.tree.pool``), each
-XORed against the base image, written at its offset and its chunks hashed while
-they are in cache. A chunk whose XOR is all zero over base bytes at the same
+One pass: a file's frames are decoded on every core (``storage.tree.pool``) by the
+reader of the manifest's codec (``storage.delta_format.CODECS``; the file's magic must
+agree), each XORed into the base image, written at its offset and its chunks hashed
+while they are in cache. A chunk whose XOR is all zero over base bytes at the same
 offsets is the base's chunk: its hash is taken from the base's tree, once the base
 file was verified in this process (``storage.tree.verified_once``). A delta
 written before trees is checked by the sha256 of each rebuilt file, read again
@@ -31,14 +32,14 @@ import numpy as np
 
 from storage import tree
 from storage.delta_format import (
+    CODECS,
     DELTA_SUFFIX,
     FRAME,
     MAX_HEADER,
     TENSORS,
     BaseImage,
-    compressed_frames,
-    decompress_into,
-    is_zero,
+    DenseXor,
+    SparseXor,
     parse_layout,
     read_layout,
     read_mode,
@@ -184,7 +185,9 @@ class _Decode:
     def __init__(
         self, stage: str, base_dir: str, e: FileEntry, m: WeightsManifest, base_e: FileEntry | None
     ):
-        self.e, self.m = e, m
+        assert m.delta is not None
+        self.e, self.m, self.codec = e, m, m.delta.codec
+        self.reader = CODECS[self.codec]
         self.src = os.path.join(stage, e.name + DELTA_SUFFIX)
         self.dst = os.path.join(stage, e.name)
         self.base_path = os.path.join(base_dir, e.name)
@@ -218,14 +221,14 @@ class _Decode:
         self.fd = os.open(self.dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             with open(self.src, "rb") as f:
-                mode = read_mode(f, self.where)
-                for c, size in compressed_frames(f, self.where, FRAME + MAX_HEADER):
+                mode = read_mode(f, self.codec, self.where)
+                for c, size in self.reader.frames(f, self.where, FRAME + MAX_HEADER):
                     self._check_frame(off, size)
                     pair = _BUFFERS.take(size)  # waits while every slot is in flight
                     job: bytes | None = c
                     if self.image is None:  # the first frame's header tells the image
                         try:
-                            decompress_into(c, pair[0][:size], self.where)
+                            self.reader.xor(c, pair[0][:size], pair[1], self.where)
                             self.image = _image(
                                 mode, pair[0][:size], self.base_path, self.e, self.m
                             )
@@ -271,14 +274,18 @@ class _Decode:
     def _frame(
         self, c: bytes | None, pair: tuple[np.ndarray, np.ndarray], off: int, size: int
     ) -> None:
-        """Decode one frame (``c``; None: already in ``pair[0]``): XOR, write, and hash
-        (or carry) its chunks while they are in cache."""
+        """Decode one frame (``c``; None: its XOR already in ``pair[0]``) into the image
+        read into ``pair[1]``, write it, and hash (or carry) its chunks while they are
+        in cache."""
         assert self.image is not None
         try:
-            if c is not None:
-                decompress_into(c, pair[0][:size], self.where)
-            x = pair[0][:size]
-            new = xor_into(self.image.read_into(off, pair[1][:size]), x)
+            new = self.image.read_into(off, pair[1][:size])
+            changes: DenseXor | SparseXor
+            if c is None:
+                xor_into(new, pair[0][:size])
+                changes = DenseXor(pair[0][:size])
+            else:
+                changes = self.reader.apply(c, new, pair[0], self.where)
             with self._write:  # writers of one file would only spin on its inode lock
                 pwrite_all(self.fd, memoryview(new), off)
             if self.tree is not None:
@@ -286,7 +293,7 @@ class _Decode:
                 for lo in range(0, size, step):
                     hi = min(lo + step, size)
                     k = (off + lo) // step
-                    if self._unchanged(k, off + lo, off + hi, x[lo:hi]):
+                    if self._unchanged(k, off + lo, off + hi) and changes.zero(lo, hi):
                         assert self.base_tree is not None
                         self.digests[k] = bytes.fromhex(self.base_tree.hashes[k])
                     else:
@@ -294,16 +301,16 @@ class _Decode:
         finally:
             _BUFFERS.give(pair)
 
-    def _unchanged(self, k: int, lo: int, hi: int, x: np.ndarray) -> bool:
-        """Chunk k ([lo, hi)) is the base's chunk k: the same span of the base file,
-        read as is (no zero fill, no move) and XORed with zeros."""
+    def _unchanged(self, k: int, lo: int, hi: int) -> bool:
+        """Chunk k ([lo, hi)) is the base's chunk k if its XOR is zero: the same span of
+        the base file, read as is (no zero fill, no move)."""
         b = self.base_tree
         if b is None or self.base_e is None or k >= len(b.hashes):
             return False
         if min(lo + b.chunk, self.base_e.bytes) != hi:
             return False
         assert self.image is not None
-        return self.image.identical(lo, hi) and is_zero(x)
+        return self.image.identical(lo, hi)
 
     def _verify(self) -> None:
         e, m = self.e, self.m

@@ -106,9 +106,10 @@ class DeltaOf(BaseModel):
 
     base: int = Field(ge=0)  # a full version (never itself a delta) of the same run
     base_digest: str  # WeightsManifest.digest() of the base: a republished base is refused
-    codec: Literal["xor-zstd"] = (
-        "xor-zstd"  # frames of zstd(new XOR base image); storage.delta_format
-    )
+    # How the stored files encode new XOR base image (storage.delta_format): "xor-words"
+    # (written now: per frame, a bitmap of the nonzero 8-byte words and those words, in
+    # zstd) or "xor-zstd" (read only: per frame, zstd of all of the XOR).
+    codec: Literal["xor-zstd", "xor-words"] = "xor-words"
     full: tuple[
         FileEntry, ...
     ]  # the rebuilt version's files: name, bytes, sha256 of the FULL bytes
