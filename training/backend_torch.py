@@ -261,10 +261,14 @@ def token_logprobs(
         select = wanted
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
         targets = input_ids[:, 1:]
+    # The positions as flat indices, found once: each boolean index below would be a
+    # host sync of its own (a device's nonzero), in forward and again in backward.
+    at = flat_positions(select)
+    where = at if not packed else flat_positions(wanted)
     stats = partial(
         _selected_stats,
-        select=select,
-        targets=targets[select],
+        at=at,
+        targets=targets.reshape(-1).index_select(0, at),
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
@@ -277,22 +281,32 @@ def token_logprobs(
     else:
         with _output_layer_replaced(head, lambda hidden: stats(hidden, head.weight)):
             lp, ent = model(**kwargs, use_cache=False).logits
-    return _scatter(lp, wanted), (None if ent is None else _scatter(ent, wanted))
+    return _scatter(lp, where, wanted.shape), (
+        None if ent is None else _scatter(ent, where, wanted.shape)
+    )
+
+
+def flat_positions(mask: torch.Tensor) -> torch.Tensor:
+    """The True positions of ``mask`` [B, L] as indices into its row-major flattening
+    (the order boolean indexing walks); one host sync, for their count."""
+    return mask.reshape(-1).nonzero().squeeze(1)
 
 
 def _selected_stats(
     out: torch.Tensor,
     weight: torch.Tensor | None,
-    select: torch.Tensor,
+    at: torch.Tensor,
     targets: torch.Tensor,
     temperature: float,
     with_entropy: bool,
     entropy_grad: bool,
     kernel: Kernel,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stats at the ``select``ed next-token positions of ``out`` [B, L, H or V]:
-    hidden states through ``weight`` (chunked), or logits when ``weight`` is None."""
-    rows = out[:, :-1][select]
+    """Stats at next-token positions ``at`` (``flat_positions`` of a [B, L-1] mask) of
+    ``out`` [B, L, H or V]: hidden states through ``weight`` (chunked), or logits when
+    ``weight`` is None."""
+    span = out.shape[1] - 1  # next-token positions per row: position t of row b is
+    rows = out.flatten(0, 1).index_select(0, at + at // span)  # row b*L + t of out
     if weight is None:
         logp = torch.log_softmax(rows.float() / temperature, dim=-1)
         lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -329,12 +343,10 @@ def _output_layer_replaced(head: nn.Linear, forward: Callable) -> Iterator[None]
         del head.forward
 
 
-def _scatter(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """Values at the ``where`` positions back in the padded layout [B, T-1], 0 elsewhere;
-    row-major boolean indexing walks the positions in the order they were taken."""
-    out = values.new_zeros(where.shape)
-    out[where] = values
-    return out
+def _scatter(values: torch.Tensor, where: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Values at flat positions ``where`` back in the padded layout ``shape`` [B, T-1],
+    0 elsewhere."""
+    return values.new_zeros(shape.numel()).index_copy(0, where, values).view(shape)
 
 
 def pack_rows(

@@ -330,13 +330,14 @@ class TrainConfig(BaseModel):
         "float32 rounding",
     )
     compile_layers: Annotated[Literal["auto", "on", "off"], Switch] = Field(
-        "off",
+        "auto",
         description="torch.compile each decoder layer of the trained and reference models "
         "(fused elementwise kernels: fewer launches, so less host time per token): on, off, "
         "or auto (on for CUDA with Triton installed, off on CPU, where the eager model is "
         "the reference and compiling takes minutes). A one-time compile of tens of seconds "
-        "at each trainer start; torch backend only. Off by default until it is measured "
-        "on a GPU beside the eager layers (bench.train)",
+        "at each trainer start; torch backend only (auto leaves megatron's layers as they "
+        "are). On one H100, bf16 compute: a train step 1.11x faster at the 0.5B shape, "
+        "1.42x at SmolLM2's (bench.train)",
     )
     release_after_publish: bool = Field(
         False,

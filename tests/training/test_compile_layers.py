@@ -12,6 +12,7 @@ from training.config import TrainConfig
 
 
 def test_auto_compiles_on_cuda_only():
+    assert TrainConfig().compile_layers == "auto"
     assert should_compile_layers("auto", torch.device("cpu")) is False
     assert should_compile_layers("on", torch.device("cpu")) is True
     assert should_compile_layers("off", torch.device("cuda")) is False
@@ -20,4 +21,5 @@ def test_auto_compiles_on_cuda_only():
 def test_megatron_refuses_compile_layers_on():
     with pytest.raises(ValueError, match="compile_layers: on needs backend: torch"):
         TrainConfig(backend="megatron", compile_layers="on")
-    assert TrainConfig(backend="megatron").compile_layers == "off"  # the default still loads
+    # the default (auto) still loads: megatron builds its layers and leaves them eager
+    assert TrainConfig(backend="megatron").compile_layers == "auto"

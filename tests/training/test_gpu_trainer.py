@@ -135,9 +135,12 @@ def test_a_step_repeats_its_bytes(tmp_path):
 
 def test_compiled_layers_train_as_the_eager_model_does(tmp_path):
     # train.compile_layers is on by default on CUDA: the compiled decoder layers must
-    # score and step the same model as HF's eager layers, to bf16 rounding.
+    # score and step the same model as HF's eager layers, to bf16 rounding. AdamW moves
+    # a weight by up to about lr per step whatever its gradient's size, so where a tiny
+    # gradient differs in rounding the weights may differ by up to 2 lr per step: the
+    # steps are compared by direction (and that bound), not elementwise to a fixed atol.
     model_dir = write_tiny_model(tmp_path / "tiny")
-    runs = {}
+    runs, start = {}, None
     for setting in ("off", "on"):
         actor = with_rollouts(
             cuda_actor(
@@ -149,6 +152,7 @@ def test_compiled_layers_train_as_the_eager_model_does(tmp_path):
             ),
             range(1, 3),
         )
+        start = actor._hf_state()
         metrics = [actor.train_step(k) for k in (1, 2)]
         ids = [[1, 5, 25, 6, 24, 7, 8, 9, 10, 11]]
         runs[setting] = (metrics, actor.score(ids, temperature=0.7), actor._hf_state())
@@ -156,4 +160,9 @@ def test_compiled_layers_train_as_the_eager_model_does(tmp_path):
     for a, b in zip(m_off, m_on, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=0.02, abs=1e-3)
     assert (lp_off - lp_on).abs().max().item() <= 2e-2
-    assert max((w_off[k] - w_on[k]).abs().max().item() for k in w_off) <= 1e-3
+    lr, steps = 1e-3, 2
+    assert max((w_off[k] - w_on[k]).abs().max().item() for k in w_off) <= 2.5 * lr * steps
+    moved_off = torch.cat([(w_off[k] - start[k]).flatten() for k in sorted(start)])
+    moved_on = torch.cat([(w_on[k] - start[k]).flatten() for k in sorted(start)])
+    # the same steps: a step unrelated to eager's would be near 0
+    assert torch.nn.functional.cosine_similarity(moved_off, moved_on, dim=0).item() >= 0.9
