@@ -20,7 +20,9 @@ class S3Options(BaseModel):
     max_attempts: int | None = Field(
         None,
         ge=1,
-        description="botocore attempts per request (standard retry mode); None: botocore's default",
+        description="botocore's attempts per request (standard retry mode), not repeated by "
+        "s3fs (its own 5 tries of timeouts and dropped connections are turned off); None: "
+        "botocore's default, inside s3fs's 5 tries",
     )
     # Per request: an endpoint that accepts and never answers ends the request
     # here (botocore's default is 60 s each, times every attempt), so a step

@@ -36,7 +36,12 @@ def open_root(root: str, s3: S3Options | None = None) -> tuple[fsspec.AbstractFi
         import s3fs  # only needed for s3:// roots
 
         # Other processes commit versions; a cached listing would hide them.
-        fs = s3fs.S3FileSystem(**s3_settings(s3 or S3Options()), use_listings_cache=False)
+        opts = s3 or S3Options()
+        fs = s3fs.S3FileSystem(**s3_settings(opts), use_listings_cache=False)
+        if opts.max_attempts is not None:
+            # s3fs tries a request 5 times around botocore's own attempts (timeouts,
+            # dropped connections): a user's max_attempts would be multiplied by 5.
+            fs.retries = 1
         return fs, "s3://" + rest.strip("/")
     fs, _ = fsspec.url_to_fs(root)
     return fs, root.rstrip("/")

@@ -91,3 +91,39 @@ def test_an_endpoint_that_never_answers_fails_at_the_read_timeout(s3_endpoint):
             check_root(StorageConfig(root=f"s3://{BUCKET}/p", s3=opts))
     finally:
         silent.close()
+
+
+def test_max_attempts_is_not_multiplied_by_s3fs_retries():
+    """storage.s3.max_attempts bounds the tries: a real endpoint that drops every
+    connection sees fewer requests at max_attempts 1 than s3fs's own 5 tries of each
+    would make, and more at 3."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    seen: list[bytes] = []
+
+    def drop_each() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            seen.append(conn.recv(65536)[:16])
+            conn.close()  # no answer: botocore reads a dropped connection
+
+    threading.Thread(target=drop_each, daemon=True).start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    counts = {}
+    try:
+        for attempts in (1, 3):
+            seen.clear()
+            opts = S3Options(endpoint_url=url, max_attempts=attempts)
+            with pytest.raises(StorageError, match="cannot reach bucket"):
+                check_root(StorageConfig(root=f"s3://{BUCKET}/p{attempts}", s3=opts))
+            counts[attempts] = len(seen)
+    finally:
+        server.close()
+    assert 1 <= counts[1] < 5 and counts[1] < counts[3], counts
