@@ -15,7 +15,7 @@ import torch
 
 from training import advantages as adv
 from training import correction, losses
-from training.config import LossConfig
+from training.loss_config import LossConfig
 from training.losses import Metrics
 from training.shaping import overlong_keep, overlong_penalty
 

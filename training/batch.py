@@ -24,7 +24,8 @@ import torch
 
 from rollout.types import RolloutBatch
 from training.algorithm import filter_loss_mask, sample_advantages
-from training.config import LossConfig, TrainConfig
+from training.config import TrainConfig
+from training.loss_config import LossConfig
 from training.types import UnusableRollout
 
 

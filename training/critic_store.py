@@ -17,7 +17,7 @@ from storage.layout import iter_name
 from storage.retention import gc
 from storage.run_store import RunStore
 from storage.types import GcReport
-from training.config import LossConfig
+from training.loss_config import LossConfig
 
 
 class CriticStore(RunStore):

@@ -18,7 +18,7 @@ from training.advantages import (
 )
 from training.algorithm import filter_loss_mask, sample_advantages
 from training.batch import build_train_batch
-from training.config import LossConfig
+from training.loss_config import LossConfig
 from training.shaping import overlong_keep, overlong_penalty
 
 TWO_GROUPS = torch.tensor([1.0, 0, 0, 0, 1, 2, 3, 6])

@@ -9,7 +9,8 @@ import torch
 from pydantic import ValidationError
 
 from training.algorithm import policy_loss
-from training.config import LossConfig, TrainConfig
+from training.config import TrainConfig
+from training.loss_config import LossConfig
 from training.losses import dapo_loss, dr_grpo_loss, grpo_loss, gspo_loss, k3_kl, sequence_ratio
 
 

@@ -13,7 +13,6 @@ from flows.config import ConfigError, load_config
 from rollout.types import RolloutBatch, Sample
 from training.algorithm import policy_loss
 from training.batch import UnusableRollout, build_train_batch
-from training.config import LossConfig
 from training.correction import (
     correction_weights,
     geo_mask_weights,
@@ -23,6 +22,7 @@ from training.correction import (
     tis_weights,
     token_mis_weights,
 )
+from training.loss_config import LossConfig
 from training.losses import grpo_loss, gspo_loss
 
 # Probabilities of the sampled tokens. Row 0: ratios trainer/engine [3, 0.5, 1.25]

@@ -20,7 +20,7 @@ from rollout.types import RolloutBatch
 from tasks import steps
 from tasks.context import RunContext
 from training.batch import UnusableRollout, build_train_batch
-from training.config import LossConfig
+from training.loss_config import LossConfig
 
 
 def with_reward(batch: RolloutBatch, i: int, reward: float) -> RolloutBatch:
