@@ -451,7 +451,9 @@ class TrainActor:
             n = mb.loss_mask.sum()
             means = [m["pg_loss"], m["clip_frac"], m.get("kl", 0.0), m.get("entropy", 0.0)]
             means += [m[key] for key in MISMATCH]
-            row = [loss.detach() / dp, *(torch.as_tensor(v, device=self.device) * n for v in means)]
+            # A metric the loss did not compute is a Python 0.0: times n it stays on the
+            # device (as_tensor would copy it there and wait for the stream to drain).
+            row = [loss.detach() / dp, *(n * v for v in means)]
             sums += torch.stack([t.to(torch.float64) for t in [*row, n]])
         return self._all_reduce_sums(sums).cpu()
 
