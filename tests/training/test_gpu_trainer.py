@@ -166,3 +166,27 @@ def test_compiled_layers_train_as_the_eager_model_does(tmp_path):
     moved_on = torch.cat([(w_on[k] - start[k]).flatten() for k in sorted(start)])
     # the same steps: a step unrelated to eager's would be near 0
     assert torch.nn.functional.cosine_similarity(moved_off, moved_on, dim=0).item() >= 0.9
+
+
+def test_a_step_waits_for_the_device_about_once_per_micro_batch(tmp_path):
+    # Every host read of a device value (a boolean index's nonzero, .item(), a pageable
+    # copy) stalls the launch queue until the device catches up. 16 samples in micro-
+    # batches of 4: the loss positions are found once per forward (policy and the
+    # step-start logprobs), plus a handful per step (the metrics, the gradient norm).
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    actor = with_rollouts(
+        cuda_actor(tmp_path, model_dir, "syncs", compute_dtype="bfloat16", micro_batch_size=4),
+        range(1, 3),
+    )
+    actor.train_step(1)  # compiles and warms up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            actor.train_step(2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in seen if "synchronizing" in str(w.message)]
+    micro_batches = 4
+    assert len(syncs) <= 2 * micro_batches + 8, [str(w.message)[:80] for w in syncs]
