@@ -65,13 +65,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.delta_states import real_states, synthetic_states, tiny_states  # noqa: E402
 from storage import RunStore, S3Options, StorageConfig, tree, verify_dir  # noqa: E402
-from storage.delta_format import CODEC, FRAME, LEVEL, XorWords, encode_words  # noqa: E402
+from storage.delta_format import CODEC, FRAME, XorWords, encode  # noqa: E402
 from storage.hashio import hash_file, start_writeback, write_all  # noqa: E402
 from storage.safetensors_io import TensorEntry, write_hf_shards  # noqa: E402
 
@@ -130,9 +129,10 @@ def floors(entries: list[TensorEntry], tmp: str) -> dict[str, float]:
 
 def codec_floors(base: list[TensorEntry], new: list[TensorEntry]) -> dict[str, Any]:
     """CPU seconds of a delta's own work over ``new``'s bytes against ``base`` (tensors
-    matched by name), one FRAME-sized frame at a time: the XOR, the codec's encode (as
-    ``FrameWriter``) and decode-and-apply (as a rebuild: the nonzero words XORed into
-    an image), and BLAKE3 (a tree's chunks). The sha256 and write floors: ``floors``."""
+    matched by name), one FRAME-sized frame at a time on this thread: the XOR, the
+    codec's encode (a publisher's, which spreads a file's frames over every core) and
+    decode-and-apply (as a rebuild: the nonzero words XORed into an image), and BLAKE3
+    (a tree's chunks). The sha256 and write floors: ``floors``."""
     by_name = {e.name: e for e in base}
     xs = []
     for e in new:
@@ -152,9 +152,8 @@ def codec_floors(base: list[TensorEntry], new: list[TensorEntry]) -> dict[str, A
         fn()
         return round(time.process_time() - t0, 3)
 
-    c = zstandard.ZstdCompressor(level=LEVEL)  # as FrameWriter
     packed: list[bytes] = []
-    encode_s = cpu(lambda: packed.extend(encode_words(c, f) for f in frames))
+    encode_s = cpu(lambda: packed.extend(encode(f) for f in frames))
     scratch, words, jobs = np.empty(FRAME, np.uint8), XorWords(), list(zip(packed, frames))
     return {
         # Two frames in, one out, as a XOR against the base reads (frames[0] is the longest).

@@ -3,12 +3,13 @@
 ``DeltaWriter`` has the surface of ``WeightsWriter`` (``open``, ``add_file``,
 ``commit``, ``abort``) and wraps one: a file the base also holds is streamed
 through an XOR against the base's bytes into ``<name>.xor.zst``, encoded by
-``storage.delta_format``'s one writer (codec ``xor-words``); a file equal to the
-base's is not stored at all; any other file is stored whole. The manifest names the base, its digest, and every rebuilt
-file's full size, sha256 and hash tree (``storage.tree``; hashed from the new
-bytes as they stream in, but for the tree's chunks the step left as the base's,
-whose hashes are the checked base's), so a reader verifies what it rebuilds, never
-what it was told.
+``storage.delta_format`` (codec ``xor-words``) one frame per chunk, the frames of a
+file on every core (the chunk pool) and written in file order; a file equal to the
+base's is not stored at all; any other file is stored whole. The manifest names the
+base, its digest, and every rebuilt file's full size, sha256 and hash tree
+(``storage.tree``; hashed from the new bytes as they stream in, but for the tree's
+chunks the step left as the base's, whose hashes are the checked base's), so a
+reader verifies what it rebuilds, never what it was told.
 
 The base is a full version (never a delta: chains stay one link long), chosen by
 ``choose_base``: the newest committed full version fewer than ``full_every``
@@ -27,7 +28,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_all
 from typing import Any
 
 import fsspec
@@ -40,21 +43,23 @@ from storage.delta_format import (
     FRAME,
     RAW,
     TENSORS,
-    BaseImage,
     FrameWriter,
+    encode,
     first_frame,
-    header_size,
     is_zero,
-    parse_layout,
-    read_layout,
     xor_into,
 )
+from storage.delta_image import BaseImage, header_size, parse_layout, read_layout
 from storage.errors import IntegrityError, ManifestError, StorageError
 from storage.hashio import HashingWriter, hash_file, wait
 from storage.layout import version_name
 from storage.manifests import committed_versions, read_manifest
 from storage.types import DeltaOf, FileEntry, WeightsManifest
 from storage.weights import WeightsWriter
+
+# Frames one file has in flight (encoding, or encoded and not yet written), each holding
+# its 8 MiB buffer: one per core and two queued, at most 16 (128 MiB).
+AHEAD = min(tree.workers() + 2, 16)
 
 
 def choose_base(
@@ -104,7 +109,10 @@ class _XorFile(HashingWriter):
     """A file of the new version, written as frames of (new XOR base image) into
     ``inner``; its own sha256, tree and size are those of the full new bytes. Frames
     line up with the tree's chunks (``delta_format``): the bytes of a frame are XORed
-    into its buffer as they arrive, and it is encoded once full.
+    into its buffer as they arrive; once full, it is encoded on the chunk pool (an
+    encode waits for no other task: the pool's contract) while the next one fills, and
+    written when its turn comes, so an error in an encode surfaces in ``write`` or
+    ``close`` and aborts the file.
 
     A chunk the step left as the base's (a zero XOR over the base file's own bytes at
     the same offsets) takes its hash from the base's tree, which ``DeltaWriter.open``
@@ -123,8 +131,12 @@ class _XorFile(HashingWriter):
         self._base = base if base.tree is not None and base.tree.chunk == tree.CHUNK else None
         self._head = bytearray()  # the first bytes, held until the image is chosen
         self._off = 0  # bytes of the new file already XORed into frames
-        self._fbuf = np.empty(FRAME, np.uint8)  # reused: the frame being filled
+        self._fbuf = np.empty(FRAME, np.uint8)  # the frame being filled
         self._fill = 0  # bytes of the frame being filled
+        # Frames being encoded, in file order: (the encode, the XOR it reads).
+        self._encoding: deque[tuple[Future, np.ndarray]] = deque()
+        # FRAME-byte buffers of written frames: fresh pages cost more than the XOR.
+        self._spare: list[np.ndarray] = []
         self._image: BaseImage | None = None
         self._frames: FrameWriter | None = None
         self._chunks: list[Any] = []  # per chunk: its digest, or the hasher it is fed to
@@ -228,11 +240,24 @@ class _XorFile(HashingWriter):
             self._hashing.append(tree.pool().submit(self._feed, h, start, hi, None))
 
     def _send(self) -> None:
-        assert self._frames is not None
-        self._frames.add(self._fbuf[: self._fill])
+        """Start encoding the filled frame; write the frames encoded so far."""
+        x = self._fbuf[: self._fill]
+        self._encoding.append((tree.pool().submit(encode, x), x))
         self._fill = 0
-        if len(self._fbuf) != FRAME:  # the first frame was larger: the rest are FRAME
-            self._fbuf = np.empty(FRAME, np.uint8)
+        self._fbuf = self._spare.pop() if self._spare else np.empty(FRAME, np.uint8)
+        self._write_frames(AHEAD)
+
+    def _write_frames(self, keep: int) -> None:
+        """Write the encoded frames at the head of the queue, in file order, waiting
+        for the oldest while more than ``keep`` are in flight."""
+        assert self._frames is not None
+        q = self._encoding
+        while q and (len(q) > keep or q[0][0].done()):
+            fut, x = q[0]
+            self._frames.add(len(x), fut.result())
+            q.popleft()
+            if x.base is not None and len(x.base) == FRAME:  # not the first, larger frame
+                self._spare.append(x.base)
 
     def _finish(self) -> None:
         try:
@@ -242,6 +267,7 @@ class _XorFile(HashingWriter):
                 self._end_chunk(self._off)
             if self._fill:
                 self._send()
+            self._write_frames(0)
         finally:
             wait(self._take_hashing())  # no hash may still read the image
         self.digests = [c if isinstance(c, bytes) else c.digest() for c in self._chunks]
@@ -257,6 +283,11 @@ class _XorFile(HashingWriter):
         super().abort()
         for f in self._take_hashing():
             f.exception()  # no hash may still read the image
+        encodes = [f for f, _ in self._encoding]
+        self._encoding.clear()
+        for f in encodes:
+            f.cancel()
+        wait_all(encodes)  # no encode of this file goes on running after it
         self._close_image()
         self._inner.abort()
 

@@ -35,16 +35,13 @@ from storage.delta_format import (
     CODECS,
     DELTA_SUFFIX,
     FRAME,
-    MAX_HEADER,
     TENSORS,
-    BaseImage,
     DenseXor,
     SparseXor,
-    parse_layout,
-    read_layout,
     read_mode,
     xor_into,
 )
+from storage.delta_image import MAX_HEADER, BaseImage, parse_layout, read_layout
 from storage.errors import IntegrityError
 from storage.hashio import hash_file, pwrite_all
 from storage.layout import version_name

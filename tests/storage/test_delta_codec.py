@@ -1,10 +1,13 @@
 """The delta codecs (storage.delta_format): ``xor-words`` (written now) round-trips real
 safetensors and raw files bit-exact, through every shape of frame (unchanged and
 changed chunks, a length that is no multiple of 8, the header-bearing first frame);
-a damaged frame, a file whose magic disagrees with its manifest's codec and a
-malformed frame are each an IntegrityError naming the file; and a run store written
-by the ``xor-zstd`` writer (``data/xor_zstd``, generated once by the code of e9e718b:
-v0 full, v1 a delta of it) still pulls to the very bytes it was made from."""
+its frames hold the nonzero words as byte planes; a publisher encodes a file's frames
+on a pool into the same bytes whatever its threads and frames in flight, and an
+encode that fails leaves no version; a damaged frame, a file whose magic disagrees
+with its manifest's codec and a malformed frame are each an IntegrityError naming
+the file; and a run store written by the ``xor-zstd`` writer (``data/xor_zstd``,
+generated once by the code of e9e718b: v0 full, v1 a delta of it) still pulls to
+the very bytes it was made from."""
 
 import hashlib
 import io
@@ -12,13 +15,15 @@ import json
 import os
 import shutil
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import zstandard
 
-from storage import IntegrityError, RunStore, StorageConfig
+from storage import IntegrityError, RunStore, StorageConfig, is_local
+from storage import delta as delta_mod
 from storage import tree as tree_mod
 from storage.delta_format import (
     CODECS,
@@ -29,6 +34,7 @@ from storage.delta_format import (
     TENSORS,
     FrameWriter,
     XorWords,
+    encode,
     read_mode,
 )
 from storage.layout import MANIFEST
@@ -119,7 +125,7 @@ def test_the_words_codec_decodes_what_it_encodes(tmp_path):
     buf = io.BytesIO()
     w = FrameWriter(buf, RAW)
     for x in cases:
-        w.add(x)
+        w.add(len(x), encode(x))
     buf.seek(0)
     assert read_mode(buf, "xor-words", "f") == RAW
     frames = list(XorWords().frames(buf, "f", FRAME))
@@ -136,6 +142,73 @@ def test_the_words_codec_decodes_what_it_encodes(tmp_path):
         out = np.empty(n, np.uint8)
         XorWords().xor(c, out, np.empty(n, np.uint8), "f")
         assert np.array_equal(out, x)
+
+
+def test_a_words_frame_holds_the_bitmap_the_byte_planes_and_the_tail():
+    x = np.zeros(27, np.uint8)  # words 0 and 2 nonzero, then 3 bytes of tail
+    x[0:8] = np.arange(1, 9)
+    x[16:24] = np.arange(11, 19)
+    x[24:] = (7, 0, 9)
+    planes = bytes(b for j in range(8) for b in (1 + j, 11 + j))
+    assert zstandard.decompress(encode(x)) == b"\5" + planes + b"\7\0\11"
+
+
+def _many_frames() -> tuple[dict[str, bytes], dict[str, bytes]]:
+    """v0 and v1 of a file five frames long and a safetensors file of three, changed
+    all over (every frame has changed words)."""
+    rng = np.random.default_rng(11)
+    raw = rng.integers(0, 256, 4 * FRAME + 999, dtype=np.uint8)
+    raw1 = raw.copy()
+    raw1[::4097] ^= rng.integers(1, 256, len(raw1[::4097]), dtype=np.uint8)
+    w = rng.integers(0, 1 << 16, (2 * FRAME + 100) // 2, dtype=np.uint16)
+    w1 = w.copy()
+    w1[::37] ^= 3
+    v0 = {"big.bin": raw.tobytes(), "m.safetensors": _st({"w": ("BF16", w.tobytes())})}
+    v1 = {"big.bin": raw1.tobytes(), "m.safetensors": _st({"w": ("BF16", w1.tobytes())})}
+    return v0, v1
+
+
+def test_the_encoded_bytes_do_not_depend_on_threads_or_frames_in_flight(monkeypatch, tmp_path):
+    v0, v1 = _many_frames()
+    stored = []
+    for threads, ahead in ((1, 1), (4, 8)):
+        with ThreadPoolExecutor(threads) as pool:
+            monkeypatch.setattr(tree_mod, "pool", lambda pool=pool: pool)
+            monkeypatch.setattr(delta_mod, "AHEAD", ahead)
+            store = RunStore(StorageConfig(root=str(tmp_path / f"runs{threads}")), "r")
+            _publish(store, 0, v0)
+            m1 = _publish(store, 1, v1)
+            vdir = Path(store.version_url(1))
+            stored.append({f.name: (vdir / f.name).read_bytes() for f in m1.files})
+            assert _read_back(store.pull(1, str(tmp_path / f"c{threads}")).path) == v1
+    assert stored[0] == stored[1] and set(stored[0]) == {n + DELTA_SUFFIX for n in v1}
+
+
+def test_an_encode_that_fails_aborts_the_publish_and_leaves_no_version(cfg, monkeypatch):
+    store = RunStore(cfg, "r")
+    v0, v1 = _many_frames()
+    _publish(store, 0, v0)
+    calls = []
+
+    def failing(x: np.ndarray) -> bytes:
+        calls.append(len(x))
+        if len(calls) == 3:
+            raise MemoryError("encode")
+        return encode(x)
+
+    monkeypatch.setattr(delta_mod, "encode", failing)
+    with pytest.raises(MemoryError, match="encode"):
+        with store.weights_writer(1, 1, 0, full_every=5) as w:
+            for name, data in v1.items():
+                with w.open(name) as f:
+                    f.write(data)
+            w.commit()
+    assert store.committed_versions() == [0] and store.version_state(1) == "absent"
+    if is_local(store.fs):
+        wdir = os.path.dirname(store.version_url(0))
+        assert not any(n.startswith(".tmp-") for n in os.listdir(wdir))
+    monkeypatch.setattr(delta_mod, "encode", encode)
+    assert _publish(store, 1, v1).delta is not None
 
 
 def _frame(n: int, payload: bytes, size: int | None = None) -> bytes:
