@@ -185,10 +185,12 @@ def compile_layers(model: nn.Module) -> None:
         layer.compile(dynamic=True)
 
 
-def should_compile_layers(setting: str, device: torch.device) -> bool:
-    """``train.compile_layers`` on ``device``: ``auto`` is on for CUDA with Triton."""
+def should_compile_layers(setting: str, device: torch.device, world_size: int = 1) -> bool:
+    """``train.compile_layers`` on ``device``: ``auto`` is on for CUDA with Triton at
+    one rank, where it was measured; FSDP2's ranks keep eager layers unless ``on``."""
     if setting == "auto":
-        return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        cuda = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        return cuda and world_size == 1
     if setting not in ("on", "off"):
         raise ValueError(f"compile_layers {setting!r}: choose auto, on or off")
     return setting == "on"

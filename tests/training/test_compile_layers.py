@@ -16,6 +16,9 @@ def test_auto_compiles_on_cuda_only():
     assert should_compile_layers("auto", torch.device("cpu")) is False
     assert should_compile_layers("on", torch.device("cpu")) is True
     assert should_compile_layers("off", torch.device("cuda")) is False
+    # several ranks (FSDP2): eager unless asked, where it has not been measured
+    assert should_compile_layers("auto", torch.device("cuda"), world_size=2) is False
+    assert should_compile_layers("on", torch.device("cuda"), world_size=2) is True
 
 
 def test_megatron_refuses_compile_layers_on():
