@@ -174,10 +174,9 @@ def test_a_step_waits_for_the_device_about_once_per_micro_batch(tmp_path):
     # batches of 4: the loss positions are found once per forward (policy and the
     # step-start logprobs), plus a handful per step (the metrics, the gradient norm).
     model_dir = write_tiny_model(tmp_path / "tiny")
-    actor = with_rollouts(
-        cuda_actor(tmp_path, model_dir, "syncs", compute_dtype="bfloat16", micro_batch_size=4),
-        range(1, 3),
-    )
+    actor = cuda_actor(tmp_path, model_dir, "syncs", compute_dtype="bfloat16")
+    actor.cfg = actor.cfg.model_copy(update={"micro_batch_size": 4})
+    with_rollouts(actor, range(1, 3))
     actor.train_step(1)  # compiles and warms up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
