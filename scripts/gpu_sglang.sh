@@ -218,10 +218,11 @@ peers)
     # turn, then the comparison of every result so far. Results stay in /tmp/peers while
     # the machine is held, so one call per peer works (a call is 600 s at most:
     # project ~4 min, trl ~2 min; verl is stopped at VERL_TIMEOUT_S, default 480 s).
+    # SEEDS (default 0) repeats each peer per run.seed (prompts, sampling, init).
     # Needs `setup`, the SmolLM2 model (smollm2-import, run here if missing), `sglang`
     # for verl, and the wheels of .peerbundle/ (bash bench/peers/bundle.sh), installed
     # into /tmp/peersite once. ITERATIONS (default 20); TRL_SET="field=value ..." and
-    # VERL_SET="key=value ..." add overrides. Each lands in $OUT as peers_<name>.{json,txt}
+    # VERL_SET="key=value ..." add overrides. Each lands in $OUT as peers_<name>_seed<S>.{json,txt}
     # (verl's own output, its last 3000 lines, as peers_verl_log.txt).
     [ -d ~/.cache/prefect-rl/smollm2-135m-instruct ] || bash "$0" smollm2-import || exit 1
     if [ ! -f /tmp/peersite/.installed ]; then
@@ -235,28 +236,32 @@ peers)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     n=${ITERATIONS:-20}
     noise="server_args\|Writing model\|Loading weights\|it/s]\|^\s*$"
-    for peer in ${PEERS:-trl verl}; do
+    for seed in ${SEEDS:-0}; do
+      for peer in ${PEERS:-trl verl}; do
+        tag="${peer}_seed${seed}"
         case $peer in
         project)
             with_site configs/smollm2-gpu.yaml /tmp/smollm2-gpu.yaml
             python3 -m bench.smollm2_learning --config /tmp/smollm2-gpu.yaml --iterations "$n" \
-                --out /tmp/peers/peers_project.json 2>&1 | stdbuf -oL tr "\r" "\n" |
-                grep -v "$noise" >/tmp/peers/peers_project.txt
+                --set run.seed="$seed" --out "/tmp/peers/peers_$tag.json" 2>&1 |
+                stdbuf -oL tr "\r" "\n" | grep -v "$noise" >"/tmp/peers/peers_$tag.txt"
             ;;
         trl)
             sets=()
             for kv in ${TRL_SET:-}; do sets+=(--trl "$kv"); done
             PYTHONPATH=/tmp/peersite:$PYTHONPATH python3 -m bench.peers.trl_grpo \
-                --iterations "$n" "${sets[@]}" --out /tmp/peers/peers_trl.json 2>&1 |
-                stdbuf -oL tr "\r" "\n" | grep -v "$noise" >/tmp/peers/peers_trl.txt
+                --iterations "$n" --set run.seed="$seed" "${sets[@]}" \
+                --out "/tmp/peers/peers_$tag.json" 2>&1 |
+                stdbuf -oL tr "\r" "\n" | grep -v "$noise" >"/tmp/peers/peers_$tag.txt"
             ;;
         verl)
             sets=()
             for kv in ${VERL_SET:-}; do sets+=(--verl "$kv"); done
             PYTHONPATH=/tmp/peersite:$SITE:$PYTHONPATH python3 -m bench.peers.verl_grpo \
-                --iterations "$n" "${sets[@]}" --timeout "${VERL_TIMEOUT_S:-480}" \
-                --log /tmp/peers/verl_log.txt --out /tmp/peers/peers_verl.json 2>&1 |
-                grep -v "$noise" >/tmp/peers/peers_verl.txt
+                --iterations "$n" --set run.seed="$seed" "${sets[@]}" \
+                --timeout "${VERL_TIMEOUT_S:-480}" --log /tmp/peers/verl_log.txt \
+                --out "/tmp/peers/peers_$tag.json" 2>&1 |
+                grep -v "$noise" >"/tmp/peers/peers_$tag.txt"
             grep -v server_args /tmp/peers/verl_log.txt | tail -3000 >"$OUT/peers_verl_log.txt"
             ;;
         *)
@@ -264,12 +269,12 @@ peers)
             exit 2
             ;;
         esac
-        tail -30 "/tmp/peers/peers_$peer.txt"
-        cp /tmp/peers/peers_"$peer".* "$OUT/" 2>/dev/null
+        tail -30 "/tmp/peers/peers_$tag.txt"
+        cp /tmp/peers/peers_"$tag".* "$OUT/" 2>/dev/null
+      done
     done
-    project=/tmp/peers/peers_project.json
-    [ -f "$project" ] || project=bench/results/smollm2_gpu_s0_seed0.json
-    python3 -m bench.peers.compare "$project" $(ls /tmp/peers/peers_{trl,verl}.json 2>/dev/null) \
+    # shellcheck disable=SC2046  # every result so far, one argument each
+    python3 -m bench.peers.compare $(ls /tmp/peers/peers_*_seed*.json 2>/dev/null) \
         --plot "$OUT/peers.png" |
         tee "$OUT/peers_compare.txt"
     ;;

@@ -302,7 +302,7 @@ class TrainActor:
         over = self._mismatch_gate(k, batch, sums)
         grad_norm = self._clip_grad_norm()
         self.optim.step()
-        self.optim.zero_grad(set_to_none=True)
+        self._zero_grad()
         self._iteration = k
         metrics = self._metrics(sums, grad_norm, full, time.perf_counter() - t0)
         return {**metrics, "temperature": tau, "rollout_logprob_kl_over": over}
@@ -320,7 +320,7 @@ class TrainActor:
         if kl <= gate.max_kl:
             return False
         if gate.on_exceed == "error":
-            self.optim.zero_grad(set_to_none=True)
+            self._zero_grad()
             raise RolloutMismatchError(
                 mismatch_message(k, kl, gate.max_kl, batch.train_temperature)
             )
@@ -421,7 +421,7 @@ class TrainActor:
         lc = self.cfg.loss
         policy = self._policy()
         policy.train()
-        self.optim.zero_grad(set_to_none=True)
+        self._zero_grad()
         # Gradients are averaged over the data-parallel ranks (FSDP does it for the
         # torch backend), so each rank divides by G / dp.
         dp = self._data_parallel_size()
@@ -497,6 +497,11 @@ class TrainActor:
             return self.model
         self._compute.refresh()
         return self._compute.model
+
+    def _zero_grad(self) -> None:
+        self.optim.zero_grad(set_to_none=True)
+        if self._compute is not None:
+            self._compute.zero_grad()
 
     def _to_device(self, mb: Any) -> Any:
         if self.device.type == "cpu":

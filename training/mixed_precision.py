@@ -7,7 +7,11 @@ an engine serving bf16 holds after a push (the round-to-nearest cast of the fp32
 master, made once per step), with bf16 activations as the engine computes them.
 Gradients land in the copy and are added into the master's fp32 ``.grad`` after
 every micro-batch, so accumulation over micro-batches, clipping and AdamW stay in
-fp32 and never lose a step of 1e-5 to bf16 rounding.
+fp32 and never lose a step of 1e-5 to bf16 rounding. The master's gradients are
+views of one flat fp32 buffer for the step, and the copy's are concatenated and
+added into it whole: a bf16-into-fp32 add is a foreach op's slow path, one
+kernel per tensor (hundreds per micro-batch, 0.16 s of a 1.4 s step at 0.5B on
+one H100), where the flat add is two kernels.
 
 Why not autocast: it casts only the matmuls, so embeddings and norms read the
 fp32 master while the engine reads their bf16 cast, and the residual stream is
@@ -30,17 +34,21 @@ from torch import nn
 
 class ComputeCopy:
     """The compute-dtype twin of a master model; call ``refresh`` whenever the
-    master's weights changed, ``collect_grads`` after every backward."""
+    master's weights changed, ``collect_grads`` after every backward and
+    ``zero_grad`` where the optimizer's gradients are zeroed."""
 
     def __init__(self, master: nn.Module, dtype: torch.dtype) -> None:
         self.model = copy.deepcopy(master)
         for p in self.model.parameters():
             p.data = p.data.to(dtype)
         # parameters() visits a tied weight once, in the same order on both sides.
-        self._pairs = list(zip(master.parameters(), self.model.parameters(), strict=True))
-        # Only what the optimizer changes needs copying again (a LoRA model's frozen
-        # base was cast once, above).
-        self._trained = [(m, c) for m, c in self._pairs if m.requires_grad]
+        pairs = list(zip(master.parameters(), self.model.parameters(), strict=True))
+        # Only what the optimizer changes needs copying again and gets gradients (a
+        # LoRA model's frozen base was cast once, above).
+        self._trained = [(m, c) for m, c in pairs if m.requires_grad]
+        self._sizes = [c.numel() for _, c in self._trained]
+        # The step's flat fp32 gradients, which the master's ``.grad`` are views of.
+        self._grads: torch.Tensor | None = None
 
     def refresh(self) -> None:
         """Copy the master's trained weights in, cast (one kernel per tensor list)."""
@@ -48,17 +56,31 @@ class ComputeCopy:
             torch._foreach_copy_([c for _, c in self._trained], [m for m, _ in self._trained])
 
     def collect_grads(self) -> None:
-        """Add the copy's gradients into the master's, in fp32, and free them."""
-        into, add = [], []  # one foreach kernel for the sums: hundreds of tensors
-        for master, compute in self._pairs:
-            if compute.grad is None:
-                continue
-            if master.grad is None:
-                master.grad = compute.grad.to(master.dtype)
+        """Add the copy's gradients into the master's, in fp32, and free them. A
+        tensor no backward reached yet adds zeros and gets no ``.grad``, as
+        autograd would leave it."""
+        grads = [c.grad for _, c in self._trained]
+        if all(g is None for g in grads):
+            return
+        with torch.no_grad():
+            flat = torch.cat(
+                [
+                    (g if g is not None else torch.zeros_like(c)).reshape(-1)
+                    for g, (_, c) in zip(grads, self._trained, strict=True)
+                ]
+            )
+            if self._grads is None:
+                self._grads = flat.to(self._trained[0][0].dtype)
             else:
-                into.append(master.grad)
-                add.append(compute.grad)
-        if into:
-            torch._foreach_add_(into, add)
-        for _, compute in self._pairs:
+                self._grads.add_(flat)
+        views = self._grads.split(self._sizes)
+        for (master, compute), g, view in zip(self._trained, grads, views, strict=True):
+            if g is not None and master.grad is None:
+                master.grad = view.view_as(master)
             compute.grad = None
+
+    def zero_grad(self) -> None:
+        """Drop the master's gradients and their buffer (a slept rank holds none)."""
+        for master, _ in self._trained:
+            master.grad = None
+        self._grads = None

@@ -14,6 +14,7 @@ from storage.config import StorageConfig
 from storage.run_store import RunStore
 from training.actor import TrainActor
 from training.config import ModelConfig, RunIdentity, TrainConfig, TrainerSections, WeightsConfig
+from training.mixed_precision import ComputeCopy
 
 IDS = [[1, 5, 25, 6, 24, 7, 8, 9, 10, 11]]
 
@@ -84,3 +85,25 @@ def test_equal_dtypes_need_no_copy(tmp_path, tiny_model_dir, dtype):
     a = TrainActor(RunIdentity(name="mp", seed=3, namespace="t"), sections, 0, "", 0)
     a.init_from_base(str(tiny_model_dir))
     assert a._compute is None
+
+
+def test_gradients_add_up_in_fp32_over_micro_batches(tiny_model_dir):
+    """Each micro-batch's bf16 gradients are added into the master's fp32 ones, so
+    the sum is the fp32 sum of the bf16 gradients (never rounded to bf16 between
+    micro-batches), and a rank between steps holds none."""
+    master = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    twin = ComputeCopy(master, torch.bfloat16)
+    ids = torch.tensor(IDS)
+    want: dict[str, torch.Tensor] = {}
+    for scale in (1.0, 1e-3, 1e3):
+        twin.refresh()
+        (twin.model(input_ids=ids).logits.float().mean() * scale).backward()
+        for name, p in twin.model.named_parameters():
+            g = p.grad.to(torch.float32)
+            want[name] = want[name] + g if name in want else g
+        twin.collect_grads()
+        assert all(p.grad is None for p in twin.model.parameters())
+    got = dict(master.named_parameters())
+    assert all(torch.equal(got[n].grad, want[n]) for n in want)
+    twin.zero_grad()
+    assert all(p.grad is None for p in master.parameters())
