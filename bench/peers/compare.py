@@ -118,6 +118,37 @@ def table(curves: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def across_seeds(curves: list[dict[str, Any]]) -> list[str]:
+    """Per system with more than one file (one per seed): the median and the range of
+    seconds per iteration, iteration seconds to pass@1 0.5 and the last pass@1; the
+    range is the noise a single run's figure carries."""
+    families: dict[str, list[dict[str, Any]]] = {}
+    for c in curves:
+        families.setdefault(c["system"].split(":")[0], []).append(c)
+
+    def spread(xs: list[float], spec: str) -> str:
+        if not xs:
+            return "-"
+        mid = statistics.median(xs)
+        return f"{mid:{spec}} ({min(xs):{spec}}-{max(xs):{spec}})"
+
+    lines = [
+        f"{'system':<8} {'runs':>4} {'iter s':>18} {'iter s to pass@1 0.5':>22} "
+        f"{'reached':>7} {'last pass@1':>21}"
+    ]
+    for name, group in families.items():
+        if len(group) < 2:
+            continue
+        iters = [statistics.median(c["walls"][1:] or c["walls"]) for c in group]
+        hits = [h[1] for h in (to_target(c["points"]) for c in group) if h]
+        last = [c["points"][-1][2] for c in group if c["points"]]
+        lines.append(
+            f"{name:<8} {len(group):>4} {spread(iters, '.2f'):>18} {spread(hits, '.1f'):>22} "
+            f"{len(hits):>4}/{len(group):<2} {spread(last, '.3f'):>21}"
+        )
+    return lines if len(lines) > 1 else []
+
+
 def evaluations(curves: list[dict[str, Any]]) -> list[str]:
     """Each evaluation: pass@1 and the iteration seconds spent by then."""
     ks = sorted({k for c in curves for k, _, _ in c["points"]})
@@ -227,6 +258,11 @@ def main() -> None:
     )
     print("\n".join(table(curves)))
     print()
+    summary = across_seeds(curves)
+    if summary:
+        print("median (min-max) over each system's runs")
+        print("\n".join(summary))
+        print()
     print("\n".join(evaluations(curves)))
     print()
     print("\n".join(timeline(curves, args.every)))
