@@ -46,8 +46,12 @@ def with_rollouts(actor: TrainActor, iterations: range, make=synthetic_batch) ->
 
 def test_bf16_compute_scores_the_bf16_cast_of_the_master_weights(tmp_path):
     model_dir = write_tiny_model(tmp_path / "tiny")
+    # Eager layers, as the HF models it is compared with run: compiled bf16 layers
+    # round differently (2.6e-3 here, seen on an H100), which would hide the weights'
+    # gap (1.4e-3); compiled layers have their own test below.
     actor = with_rollouts(
-        cuda_actor(tmp_path, model_dir, "mp", compute_dtype="bfloat16"), range(1, 3)
+        cuda_actor(tmp_path, model_dir, "mp", compute_dtype="bfloat16", compile_layers="off"),
+        range(1, 3),
     )
     assert actor.optim.defaults["fused"] is True
     with warnings.catch_warnings(record=True) as seen:

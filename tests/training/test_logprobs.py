@@ -211,6 +211,17 @@ def test_compiled_kernel_agrees_with_eager_on_cuda(dtype):
 
     assert pick_kernel("auto", torch.device("cuda")) == "compiled"
     assert pick_kernel("auto", torch.device("cpu")) == "eager"
+    # fp32 as fp32: the trainer's setup turns TF32 on for the whole process, and an
+    # earlier test may have run it; this test is about the kernels' own arithmetic.
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        _compare_kernels_on_cuda(dtype)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _compare_kernels_on_cuda(dtype: torch.dtype) -> None:
     hidden, weight, targets = (x.cuda() for x in _inputs(dtype, n=300, h=64, v=5000))
     weights = torch.linspace(0, 1, 300, device="cuda")
     out = {}
@@ -224,5 +235,12 @@ def test_compiled_kernel_agrees_with_eager_on_cuda(dtype):
     # fp32: the compiled kernel sums in another order (seen: 1.3e-5 at 1 of 300 values)
     tol = 5e-5 if dtype == torch.float32 else 2e-2
     for entropy_grad in (False, True):
-        for a, b in zip(out["eager", entropy_grad], out["compiled", entropy_grad]):
-            torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
+        names = ("logprobs", "entropy", "hidden grad", "weight grad")
+        for name, a, b in zip(names, out["eager", entropy_grad], out["compiled", entropy_grad]):
+            torch.testing.assert_close(
+                b.float(),
+                a.float(),
+                atol=tol,
+                rtol=tol,
+                msg=lambda m, name=name, eg=entropy_grad: f"{name} (entropy_grad={eg}): {m}",
+            )
