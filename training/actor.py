@@ -123,7 +123,8 @@ class TrainActor:
     def init_from_base(self, model_path: str) -> int:
         """Build model (+ frozen reference when kl_coef > 0) and AdamW from ``model_path``."""
         dtype, compute, n = self.model_cfg.dtype, self.sections.compute_dtype, self.world_size
-        compiled = bt.should_compile_layers(self.cfg.compile_layers, self.device, n)
+        lora_on = self.cfg.lora is not None
+        compiled = bt.should_compile_layers(self.cfg.compile_layers, self.device, n, lora_on)
         copy = n == 1 and compute != dtype  # fp32 master weights, bf16 forward and backward
         self.model = bt.build_model(
             model_path,

@@ -19,6 +19,9 @@ def test_auto_compiles_on_cuda_only():
     # several ranks (FSDP2): eager unless asked, where it has not been measured
     assert should_compile_layers("auto", torch.device("cuda"), world_size=2) is False
     assert should_compile_layers("on", torch.device("cuda"), world_size=2) is True
+    # LoRA: eager unless asked (compiled layers scored SGLang's samples 7x further off)
+    assert should_compile_layers("auto", torch.device("cuda"), lora=True) is False
+    assert should_compile_layers("on", torch.device("cuda"), lora=True) is True
 
 
 def test_megatron_refuses_compile_layers_on():
