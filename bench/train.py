@@ -314,12 +314,21 @@ def bench_row(
         mbs[k] = rank_micro_batches(full, 0, 1, sections.train)
     step: Rounds = []
     base: Rounds = []
+    plain_error = None  # the plain loop's full log-softmax may not fit where the trainer does
     for k in mbs:  # which side goes first alternates too
         for side in ("trainer", "plain") if k % 2 else ("plain", "trainer"):
             if side == "trainer":
                 step.append(timed(partial(actor.train_step, k), trainer_flags, cuda))
-            else:
-                base.append(timed(partial(plain.step, mbs[k]), PLAIN_FLAGS, cuda))
+            elif plain_error is None:
+                try:
+                    base.append(timed(partial(plain.step, mbs[k]), PLAIN_FLAGS, cuda))
+                except torch.OutOfMemoryError as e:
+                    plain_error = "out of memory: " + str(e).split(". ")[0]
+                    print(f"{name} / {label}: the plain loop ran {plain_error}; the row goes on")
+                    base = []
+                    plain.model.zero_grad(set_to_none=True)
+                    gc.collect()
+                    torch.cuda.empty_cache()
     if args.profile:
         set_flags(trainer_flags)
         trace = args.trace and str(Path(args.trace) / f"{name}-{label}.json")
@@ -328,7 +337,9 @@ def bench_row(
     if cuda:  # each side's peak less the other side's resident state
         peaks = (
             max(p for _, p in step[1:]) - resident_bytes(plain.model, plain.optim),
-            max(p for _, p in base[1:]) - resident_bytes(actor.model, actor.ref_model, actor.optim),
+            max(p for _, p in base[1:]) - resident_bytes(actor.model, actor.ref_model, actor.optim)
+            if base
+            else None,
         )
     params = plain.model.num_parameters()
     actor = plain = None  # free device memory before the next row
@@ -337,6 +348,7 @@ def bench_row(
         torch.cuda.empty_cache()
     row = {"shape": name, "variant": label, "params": params, "micro_batches": len(mbs[1])}
     row |= figures(params, int(full.attention_mask.sum()), step, base, peaks, args.peak_tflops)
+    row["plain_error"] = plain_error
     row["trainer_flags"] = dict(zip(FLAG_NAMES, trainer_flags))
     row["train_config"] = sections.train.model_dump(mode="json", exclude_defaults=True)
     row["model_config"] = sections.model.model_dump(mode="json", exclude_defaults=True)
@@ -348,7 +360,7 @@ def figures(
 ) -> dict[str, Any]:
     """A row's figures from the (seconds, peak bytes) of each round, round 1 dropped."""
     step_s = statistics.median(s for s, _ in step[1:])
-    plain_s = statistics.median(s for s, _ in base[1:])
+    plain_s = statistics.median(s for s, _ in base[1:]) if base else None  # None: it failed
     flops = 6 * params * tokens / (peak_tflops * 1e12) if peak_tflops else None
     return {
         "tokens_per_step": tokens,
@@ -357,10 +369,10 @@ def figures(
         "mfu": flops / step_s if flops else None,
         "peak_mem_gib": None if peaks[0] is None else peaks[0] / GIB,
         "plain_s": plain_s,
-        "plain_tokens_per_s": tokens / plain_s,
-        "plain_mfu": flops / plain_s if flops else None,
+        "plain_tokens_per_s": tokens / plain_s if plain_s else None,
+        "plain_mfu": flops / plain_s if flops and plain_s else None,
         "plain_peak_mem_gib": None if peaks[1] is None else peaks[1] / GIB,
-        "plain_over_step": plain_s / step_s,
+        "plain_over_step": plain_s / step_s if plain_s else None,
         "step_s_rounds": [s for s, _ in step],
         "plain_s_rounds": [s for s, _ in base],
     }
@@ -440,9 +452,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(
             f"| {r['shape']} | {r['variant']} | {r['params'] / 1e6:.1f}M | {r['tokens_per_step']} "
             f"| {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {f(r['mfu'], '.1%')} "
-            f"| {f(r['peak_mem_gib'], '.2f')} | {r['plain_s']:.3f} "
-            f"| {r['plain_tokens_per_s']:.0f} | {f(r['plain_mfu'], '.1%')} "
-            f"| {f(r['plain_peak_mem_gib'], '.2f')} | {r['plain_over_step']:.2f}x |"
+            f"| {f(r['peak_mem_gib'], '.2f')} | {f(r['plain_s'], '.3f')} "
+            f"| {f(r['plain_tokens_per_s'], '.0f')} | {f(r['plain_mfu'], '.1%')} "
+            f"| {f(r['plain_peak_mem_gib'], '.2f')} | {f(r['plain_over_step'], '.2f')}x |"
         )
 
 
