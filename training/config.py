@@ -165,7 +165,8 @@ class TrainConfig(BaseModel):
         "optimizer state stay in model.dtype. bfloat16 over float32 weights: one rank runs "
         "on a bf16 copy of the master weights, cast once per step (the same bf16 weights an "
         "engine serving bf16 gets), gradients added into the fp32 master; several ranks "
-        "use FSDP2 mixed precision (gradients reduced in fp32). None: model.dtype",
+        "use FSDP2 mixed precision (gradients reduced in fp32); megatron ranks each run a "
+        "bf16 twin model beside their fp32 shard (gradients reduced in fp32). None: model.dtype",
     )
     logprob_kernel: Literal["auto", "eager", "compiled"] = Field(
         "auto",
@@ -335,12 +336,6 @@ def check_precision(train: TrainConfig, model: ModelConfig) -> None:
             "train.compute_dtype float32 over model.dtype bfloat16 computes in fp32 from "
             "weights and updates rounded to bf16; set model.dtype: float32 (fp32 master "
             "weights) or train.compute_dtype: bfloat16"
-        )
-    if train.backend == "megatron" and train.compute_dtype not in (None, model.dtype):
-        raise ValueError(
-            f"train.backend megatron computes in model.dtype ({model.dtype}); "
-            f"train.compute_dtype {train.compute_dtype} over it is the torch backend's; "
-            "unset train.compute_dtype or use train.backend: torch"
         )
 
 

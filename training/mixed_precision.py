@@ -37,12 +37,27 @@ class ComputeCopy:
     master's weights changed, ``collect_grads`` after every backward and
     ``zero_grad`` where the optimizer's gradients are zeroed."""
 
-    def __init__(self, master: nn.Module, dtype: torch.dtype) -> None:
-        self.model = copy.deepcopy(master)
-        for p in self.model.parameters():
-            p.data = p.data.to(dtype)
+    def __init__(
+        self, master: nn.Module, dtype: torch.dtype, twin: nn.Module | None = None
+    ) -> None:
+        """``twin``: the compute model, already built in ``dtype`` with the master's
+        parameters in the same order (megatron builds its bf16 model through
+        ``Float16Module``, whose config differs from the fp32 one's); by default a
+        deep copy of the master, cast."""
+        if twin is None:
+            twin = copy.deepcopy(master)
+            for p in twin.parameters():
+                p.data = p.data.to(dtype)
+        self.model = twin
         # parameters() visits a tied weight once, in the same order on both sides.
         pairs = list(zip(master.parameters(), self.model.parameters(), strict=True))
+        for m, c in pairs:
+            if m.shape != c.shape or c.dtype != dtype:
+                raise ValueError(
+                    f"compute twin {c.dtype}{tuple(c.shape)} against master "
+                    f"{tuple(m.shape)}: not the master's layout in {dtype}"
+                )
+        _copy_in(pairs)  # a twin built apart starts from its own initialisation
         # Only what the optimizer changes needs copying again and gets gradients (a
         # LoRA model's frozen base was cast once, above).
         self._trained = [(m, c) for m, c in pairs if m.requires_grad]
@@ -52,8 +67,7 @@ class ComputeCopy:
 
     def refresh(self) -> None:
         """Copy the master's trained weights in, cast (one kernel per tensor list)."""
-        with torch.no_grad():
-            torch._foreach_copy_([c for _, c in self._trained], [m for m, _ in self._trained])
+        _copy_in(self._trained)
 
     def collect_grads(self) -> None:
         """Add the copy's gradients into the master's, in fp32, and free them. A
@@ -84,3 +98,9 @@ class ComputeCopy:
         for master, _ in self._trained:
             master.grad = None
         self._grads = None
+
+
+def _copy_in(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+    """Each (master, compute) pair's master values into the compute tensor, cast."""
+    with torch.no_grad():
+        torch._foreach_copy_([c for _, c in pairs], [m for m, _ in pairs])

@@ -107,3 +107,16 @@ def test_gradients_add_up_in_fp32_over_micro_batches(tiny_model_dir):
     assert all(torch.equal(got[n].grad, want[n]) for n in want)
     twin.zero_grad()
     assert all(p.grad is None for p in master.parameters())
+
+
+def test_a_twin_built_apart_starts_from_the_master_and_must_match_its_layout(tiny_model_dir):
+    # megatron builds its bf16 compute model itself (through Float16Module): whatever
+    # it was initialised to, the copy scores the master's weights from the start.
+    master = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    twin = AutoModelForCausalLM.from_config(master.config).to(torch.bfloat16)
+    copy = ComputeCopy(master, torch.bfloat16, twin)
+    assert copy.model is twin
+    for m, c in zip(master.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(c, m.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="not the master's layout"):
+        ComputeCopy(master, torch.bfloat16, AutoModelForCausalLM.from_config(master.config))

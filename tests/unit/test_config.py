@@ -79,8 +79,9 @@ def test_precision_settings_are_checked_at_load():
         load_config(None, ["train.compute_dtype=float16"])
     with pytest.raises(ConfigError, match=r"set model.dtype: float32"):
         load_config(None, ["train.compute_dtype=float32", "model.dtype=bfloat16"])
-    with pytest.raises(ConfigError, match=r"megatron computes in model.dtype"):
-        load_config(None, ["train.backend=megatron", "train.compute_dtype=bfloat16"])
+    # megatron: fp32 master parameters with a bf16 twin model, as the torch backend
+    mixed = load_config(None, ["train.backend=megatron", "train.compute_dtype=bfloat16"])
+    assert (mixed.train.compute_dtype, mixed.model.dtype) == ("bfloat16", "float32")
     with pytest.raises(ConfigError, match=r"on_exceed"):
         load_config(None, ["train.mismatch.on_exceed=stop"])
     assert load_config(None, ["train.mismatch.max_kl=null"]).train.mismatch.max_kl is None

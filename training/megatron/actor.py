@@ -16,9 +16,11 @@ wrapper (contiguous ``main_grad`` buffers) and writes a per-rank sharded state
 that only ``dist_checkpointing`` reads back. At TP = PP = 1 on one GPU it buys
 nothing, while AdamW gives the same update maths and the same ``state_dict`` as
 the torch backend, so checkpoints are a plain ``torch.save``. AdamW is
-elementwise, so it is also correct on TP shards. What it leaves out: fp32
-master weights — with ``model.dtype: bfloat16`` the update is applied to bf16
-parameters, exactly as the torch backend does at that dtype.
+elementwise, so it is also correct on TP shards. Mixed precision
+(``train.compute_dtype: bfloat16`` over ``model.dtype: float32``) is the torch
+backend's at one rank: fp32 master parameters and optimizer state, a bf16 twin
+model for the passes, gradients added into the master in fp32 (then reduced
+over DP and clipped in fp32), checkpoints of the master.
 
 GPU only: megatron's forward needs CUDA (``setup`` refuses a CPU device).
 """
@@ -46,6 +48,7 @@ from training.megatron.model import (
     read_hf_state,
     wrap,
 )
+from training.mixed_precision import ComputeCopy
 
 
 class MegatronTrainActor(TrainActor):
@@ -77,26 +80,33 @@ class MegatronTrainActor(TrainActor):
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
 
-    def _build(self, hf_cfg: Any, hf_state: dict[str, torch.Tensor]) -> HFView:
+    def _build(self, hf_cfg: Any, hf_state: dict[str, torch.Tensor], dtype: str) -> HFView:
         mc = self.cfg.megatron
-        gpt = build_gpt(
-            hf_cfg, self.model_cfg.dtype, mc.tensor_parallel, mc.pipeline_parallel, self.device
-        )
-        view = wrap(gpt, hf_cfg, self.model_cfg.dtype)
+        gpt = build_gpt(hf_cfg, dtype, mc.tensor_parallel, mc.pipeline_parallel, self.device)
+        view = wrap(gpt, hf_cfg, dtype)
         load_hf_state(gpt, hf_state, self.tp, self.tp_rank)
         return view
 
     def init_from_base(self, model_path: str) -> int:
-        """Build the megatron model (+ frozen reference when kl_coef > 0) and AdamW."""
+        """Build the megatron model (+ frozen reference when kl_coef > 0) and AdamW.
+        With ``train.compute_dtype`` bfloat16 over fp32 weights, the model is the
+        fp32 master and a second one, built bf16 through ``Float16Module``, runs the
+        forwards and backwards (``ComputeCopy``): megatron's own mixed precision
+        keeps fp32 main parameters in its optimizer, but accumulates micro-batch
+        gradients in bf16 without its DDP wrapper; here they add up in fp32."""
         hf_cfg = AutoConfig.from_pretrained(model_path)
         mc = self.cfg.megatron
         check_layout(
             self.world_size, mc.tensor_parallel, mc.pipeline_parallel, spec_from_hf_config(hf_cfg)
         )
         hf_state = read_hf_state(model_path)
-        self.model = self._build(hf_cfg, hf_state)
-        if self.cfg.loss.kl_coef > 0:
-            self.ref_model = self._build(hf_cfg, hf_state)
+        dtype, compute = self.model_cfg.dtype, self.sections.compute_dtype
+        self.model = self._build(hf_cfg, hf_state, dtype)
+        if compute != dtype:
+            twin = self._build(hf_cfg, hf_state, compute)
+            self._compute = ComputeCopy(self.model, bt.DTYPES[compute], twin)
+        if self.cfg.loss.kl_coef > 0:  # frozen: it scores in the compute dtype, as the policy does
+            self.ref_model = self._build(hf_cfg, hf_state, compute)
             self.ref_model.requires_grad_(False).eval()
         self.optim = bt.adamw(self.model, self.cfg.lr, self.cfg.weight_decay, self.device)
         pad = getattr(hf_cfg, "pad_token_id", None)
