@@ -42,15 +42,17 @@ def run_plain(
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     with LeaseKeeper(ctx) as keeper:
+        first = steps.first_unfinished(ctx.store, cfg.run.iterations)
+        ahead = steps.build_trainer_ahead(ctx, first)  # beside the engines' start
         try:
-            for k in range(
-                steps.first_unfinished(ctx.store, cfg.run.iterations), cfg.run.iterations + 1
-            ):
+            for k in range(first, cfg.run.iterations + 1):
                 keeper.check()
                 rows.append(run_iteration(ctx, k))
                 if not quiet:
                     print(iteration_line(rows[-1], cfg.run.iterations), flush=True)
         finally:
+            if ahead is not None:
+                ahead.join()  # no build left running behind a failed run
             tracking.close()
     if not keep_actors:
         ctx.trainer().shutdown()

@@ -108,6 +108,7 @@ def rl_training(params: TrainingParams) -> dict[str, Any]:
         )
         progress = artifacts.start_progress(cfg.run.name, start - 1, total)
         step_seconds: dict[str, float] = {}
+        ahead = steps.build_trainer_ahead(ctx, start)  # beside the engines' start
         with artifacts.Reporter() as report:
             try:
                 for k in range(start, total + 1):
@@ -121,6 +122,8 @@ def rl_training(params: TrainingParams) -> dict[str, Any]:
                     report.submit(artifacts.iteration_table, cfg.run.name, k, out["row"])
                     report.submit(artifacts.update_progress, progress, k, total)
             finally:
+                if ahead is not None:
+                    ahead.join()  # no build left running behind a failed flow run
                 tracking.close()
         artifacts.run_summary(ctx, rows, step_seconds)
         if rows:

@@ -12,6 +12,7 @@ walk it. No Prefect in here.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -51,6 +52,7 @@ __all__ = [
     "ROLLOUT_HEAD",
     "STEPS",
     "VersionMismatch",
+    "build_trainer_ahead",
     "finish_iteration",
     "first_unfinished",
     "publish_due",
@@ -113,6 +115,28 @@ def _state(k_of):
         return list(state.get("warnings") or [])
 
     return ready
+
+
+def build_trainer_ahead(ctx, first: int) -> threading.Thread | None:
+    """In a new run, build the trainer (model load, compute copy, the kernels' first
+    compile) on a thread while ``rollout[1]`` starts the engines and generates, rather
+    than in ``train[1]`` after them; the step's ready phase then finds state 0 held
+    (``TrainGroup.ensure_state`` builds once, a second caller waits). Only a new run,
+    which has no checkpoint to restore (so no warning to report), and only when the
+    trainer and the engines do not take turns on the same devices (colocated). A
+    failed build is left to ``train[1]``, which builds again and reports it."""
+    if first != 1 or ctx.placement() is not None:
+        return None
+
+    def build() -> None:
+        try:
+            ctx.trainer().ensure_state(0, ctx.base_model_path)
+        except Exception as e:  # noqa: BLE001 - train[1] builds it again and fails there
+            log.info("building the trainer ahead of train[1] failed (%s); train[1] will", e)
+
+    thread = threading.Thread(target=build, name="trainer-build", daemon=True)
+    thread.start()
+    return thread
 
 
 def _train(ctx, k: int, engine_id: int | None) -> Result:

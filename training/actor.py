@@ -38,6 +38,7 @@ from training.logprobs import pick_kernel
 from training.mixed_precision import ComputeCopy
 from training.types import MISMATCH_METRICS as MISMATCH
 from training.types import RolloutMismatchError, mismatch_message
+from training.warm_up import warm_up_batch
 from training.weight_pusher import WeightPusher
 
 
@@ -151,8 +152,26 @@ class TrainActor:
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
         self.base_model_path = model_path
+        if compiled or pick_kernel(self.cfg.logprob_kernel, self.device) == "compiled":
+            self._compile_now()
         self._iteration = 0
         return 0
+
+    def _compile_now(self) -> None:
+        """Run the step's passes once on ``training.warm_up``'s batch, so torch.compile
+        builds their kernels now rather than in the first step. Nothing of it stays:
+        the gradients are dropped, the optimizer never steps, the RNG is put back."""
+        batch = warm_up_batch(self.model.config.vocab_size, self.sections.rollout.temperature)
+        # Group advantages: the passes are the same for any advantage (gae's come
+        # from a critic, which this batch has none of).
+        loss = self.cfg.loss.model_copy(update={"advantage": "grpo"})
+        full = build_train_batch(batch, self.pad_id, loss)
+        mbs = rank_micro_batches(full, 0, 1, self.cfg)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            old, ref = self._reference_logprobs(mbs, batch.train_temperature)
+            self._accumulate(mbs, old, ref, full.num_tokens, batch.train_temperature)
+        self._zero_grad()
 
     # -- durable state and pushes (collaborators) ---------------------------
     def load_checkpoint(self, k: int) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from typing import Any
 
@@ -44,6 +45,19 @@ def _master_endpoint() -> tuple[str, int]:
         s.bind(("", 0))
         port = s.getsockname()[1]
     return ray.util.get_node_ip_address(), port
+
+
+_BUILD_LOCKS: dict[str, threading.Lock] = {}
+_BUILD_LOCKS_GUARD = threading.Lock()
+
+
+def _building(rank0: str) -> threading.Lock:
+    """The lock of one group's ``ensure_state`` in this process (keyed by its rank 0's
+    actor name): a new run starts building its trainer ahead of ``train[1]``
+    (``tasks.steps.build_trainer_ahead``), and the step's own call must wait for
+    that build rather than release the ranks it is creating and start again."""
+    with _BUILD_LOCKS_GUARD:
+        return _BUILD_LOCKS.setdefault(rank0, threading.Lock())
 
 
 @functools.cache
@@ -245,6 +259,10 @@ class TrainGroup:
         one message per corrupt checkpoint skipped, naming the one used instead.
         The caller shows them (a Ray worker's log is not where a user looks).
         """
+        with _building(self.actor_name(0)):  # a second caller waits, then finds state k
+            return self._ensure_state(k, base_model_path)
+
+    def _ensure_state(self, k: int, base_model_path: str) -> dict[str, Any]:
         its = self._iterations()
         if its is not None and all(i == k for i in its):
             return {"restored_from": None, "replayed": [], "recreated": False, "warnings": []}

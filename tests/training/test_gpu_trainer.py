@@ -241,3 +241,21 @@ def test_a_step_waits_for_the_device_about_once_per_micro_batch(tmp_path):
     syncs = [w for w in seen if "synchronizing" in str(w.message)]
     micro_batches = 4
     assert len(syncs) <= 2 * micro_batches + 8, [str(w.message)[:80] for w in syncs]
+
+
+def test_a_built_trainer_has_compiled_its_steps_kernels(tmp_path):
+    """The passes run once on a small batch as the trainer is built (in a new run,
+    beside the engines' start), so its first steps compile nothing."""
+    from torch._dynamo.utils import counters
+
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    actor = cuda_actor(tmp_path, model_dir, "warm", compute_dtype="bfloat16", compile_layers="on")
+    assert counters["stats"]["unique_graphs"] > 0
+    assert all(p.grad is None for p in actor.model.parameters()) and not actor.optim.state
+    graphs = counters["stats"]["unique_graphs"]
+    for k in (1, 2):
+        with_rollouts(actor, range(k, k + 1)).train_step(k)
+    print(
+        f"\nWARM-UP graphs compiled at build {graphs}, in two steps {counters['stats']['unique_graphs'] - graphs}"
+    )
+    assert counters["stats"]["unique_graphs"] == graphs

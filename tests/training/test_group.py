@@ -13,6 +13,7 @@ import logging
 import math
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -59,9 +60,11 @@ def reference(ray_cluster, tiny_model, storage_cfg):
     group = make_group(storage_cfg, run)
     out: dict = {"run": run, "metrics": []}
     try:
-        with training_logs() as logged:
-            group.ensure_state(0, tiny_model)  # how a new run builds its trainer
-        out["first_start_logs"] = logged
+        with training_logs() as logged, ThreadPoolExecutor(2) as pool:
+            # How a new run builds its trainer: ahead of train[1] on a thread, while
+            # train[1]'s own ensure_state(0) may come in before that build ends.
+            builds = list(pool.map(lambda _: group.ensure_state(0, tiny_model), range(2)))
+        out["first_start_logs"], out["first_builds"] = logged, builds
         with pytest.raises(StateMismatchError, match=r"train_step\(2\) needs trainer state 1"):
             group.train(2)
         for k in (1, 2, 3):
@@ -152,10 +155,12 @@ def test_kill_restore_replay_is_byte_identical(reference, tiny_model, storage_cf
 
 def test_a_first_start_logs_starting_and_no_warning(reference):
     """The reference run's trainer was built by ensure_state(0), as a new run's is:
-    no fault, so INFO "starting", not a warning (a rebuild after a kill warns)."""
+    no fault, so INFO "starting" once, not a warning (a rebuild after a kill warns)."""
     logged = reference["first_start_logs"]
-    assert (logging.INFO, "starting train group ref1 for state 0") in logged
+    assert logged.count((logging.INFO, "starting train group ref1 for state 0")) == 1
     assert [m for level, m in logged if level >= logging.WARNING] == []
+    # Two callers at once (the build ahead and train[1]): one builds, the other waits.
+    assert sorted(b["recreated"] for b in reference["first_builds"]) == [False, True]
 
 
 def test_two_workers_fsdp_deterministic_and_recoverable(reference, tiny_model, storage_cfg):
