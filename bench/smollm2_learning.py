@@ -32,6 +32,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+PACKAGES = ("torch", "transformers", "sglang", "ray", "prefect")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/smollm2-cpu.yaml")
@@ -40,6 +43,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the rows and walls as JSON here")
     args = parser.parse_args()
 
+    from bench.peers.task import commit, machine, versions
     from flows.config import load_config, parse_override
     from flows.driver import run_plain
 
@@ -86,6 +90,10 @@ def main() -> None:
                 {
                     "config": args.config,
                     "set": args.set,
+                    # what bench.peers.compare names beside each system's figures
+                    "commit": commit(),
+                    "machine": machine(),
+                    "versions": versions(PACKAGES),
                     "base": base,
                     "walls": walls,
                     "rows": rows,
