@@ -74,16 +74,16 @@ def final_weights(store, version: int = ITERATIONS) -> dict[str, str]:
     return {f.name: f.sha256 for f in manifest.files if f.name.endswith(".safetensors")}
 
 
-def assert_records_complete(store) -> None:
-    for k in range(1, ITERATIONS + 1):
+def assert_records_complete(store, iterations: int = ITERATIONS) -> None:
+    for k in range(1, iterations + 1):
         steps = set(store.committed_steps(k))
         assert {"rollout", "train", "save", "publish", "reload-e0", "iteration"} <= steps, (
             k,
             steps,
         )
-    assert [m["iteration"] for m in store.read_metrics()] == list(range(1, ITERATIONS + 1))
+    assert [m["iteration"] for m in store.read_metrics()] == list(range(1, iterations + 1))
     metrics_lines = store.fs.cat_file(f"{store.url}/metrics.jsonl").decode().strip().splitlines()
-    assert len(metrics_lines) == ITERATIONS
+    assert len(metrics_lines) == iterations
 
 
 def reference_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, str]]:

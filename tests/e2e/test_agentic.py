@@ -13,11 +13,15 @@ from flows.config import load_config
 from flows.driver import run_plain
 from rollout.agent import tool_use
 from rollout.types import RolloutBatch
-from tests.e2e.fault_matrix import ITERATIONS, assert_records_complete, final_weights, overrides
+from tests.e2e.fault_matrix import assert_records_complete, final_weights, overrides
 
 pytestmark = pytest.mark.slow
 
 BASE = "configs/tiny-tool.yaml"
+# The crash row's length: the engine dies in rollout[2], the run crashes in train[3] and
+# resumes from checkpoint 2; one iteration after the replayed one shows it continues
+# as the reference does (the fault matrix's six add multi-turn rollouts, nothing else).
+ITERATIONS = 4
 
 
 def test_the_model_learns_to_call_the_tool_and_reward_goes_up(ray_cluster, tmp_path):
@@ -63,7 +67,9 @@ def test_the_model_learns_to_call_the_tool_and_reward_goes_up(ray_cluster, tmp_p
 def test_a_dead_engine_and_a_crash_resume_byte_identical(ray_cluster, tmp_path):
     def config(name: str, faults: list[dict], **extra):
         over = overrides(tmp_path / name, name, faults)
-        return load_config(BASE, {**over, "run.save_interval": 2, **extra})
+        return load_config(
+            BASE, {**over, "run.iterations": ITERATIONS, "run.save_interval": 2, **extra}
+        )
 
     ref_ctx, _, _ = run_plain(config("ref", []), quiet=True)
     faults = [
@@ -76,8 +82,8 @@ def test_a_dead_engine_and_a_crash_resume_byte_identical(ray_cluster, tmp_path):
         run_plain(cfg, quiet=True)
     ctx, rows, _ = run_plain(cfg, quiet=True)  # the rerun resumes at iteration 3
     assert [r["iteration"] for r in rows] == list(range(3, ITERATIONS + 1))
-    assert final_weights(ctx.store) == final_weights(ref_ctx.store)
-    assert_records_complete(ctx.store)
+    assert final_weights(ctx.store, ITERATIONS) == final_weights(ref_ctx.store, ITERATIONS)
+    assert_records_complete(ctx.store, ITERATIONS)
     # the killed engine was restarted in the rollout step, which recorded the retry
     record = ctx.store.read_record(2, "rollout-failures")
     assert [(r["engine"], r["kind"]) for r in record["retries"]][:1] == [(0, "infra")]

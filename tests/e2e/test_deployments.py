@@ -15,14 +15,28 @@ from tests.e2e.services import worker_stack
 pytestmark = pytest.mark.slow
 
 
+ENGINES = 2  # of every training run here
+# The training runs of this module: on a cluster at ray.address their engines outlive
+# them (they serve the run's last version).
+RUNS = ("e2e", "retry")
+
+
 @pytest.fixture(scope="module")
 def stack(ray_cluster, prefect_server, tmp_path_factory):
     # The flow runs the worker starts join the test session's Ray cluster (as they
     # would a long-lived cluster at ray.address), not a head started for this module,
     # and report to the session's Prefect server.
+    from engines.config import EngineConfig
+    from engines.group import EngineGroup
+
     address = ray_cluster.get_runtime_context().gcs_address
     with worker_stack(tmp_path_factory.mktemp("stack"), address, prefect_server) as s:
         yield s
+    # The engines the runs left end with the module, as an operator ends a run's
+    # engines on a long-lived cluster: left up, four idle engine processes held a
+    # quarter of the session cluster's CPUs, and their CPU time, to the session's end.
+    for name in RUNS:
+        EngineGroup(name, EngineConfig(num_engines=ENGINES)).shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +57,7 @@ def overrides(stack, root, name: str, **extra) -> dict:
         "storage.root": str(root),
         "rollout.batch_size": 4,
         "rollout.n_samples_per_prompt": 4,
-        "engines.num_engines": 2,
+        "engines.num_engines": ENGINES,
         "engines.num_cpus_per_engine": 0.5,
         "train.num_cpus_per_worker": 0.5,
         "ray.address": stack.ray_address,

@@ -79,17 +79,19 @@ def pg_names():
 
 
 @pytest.fixture(scope="module")
-def engine_group(ray_cluster, tiny_dir):
-    """Two engines on v0 shared by one module's tests (an engine start costs ~8 s here).
-    Module scope: the engines' CPUs are free again for the test folders after this one.
+def engine_group(request, ray_cluster, tiny_dir):
+    """Two engines on v0 shared by one module's tests (an engine start costs ~8 s here),
+    or as many as the module's ``ENGINES`` says (a module that drives one engine starts
+    one). Module scope: the engines' CPUs are free again for the test folders after this one.
 
-    Tests may change the served version and restart engines but leave both
-    alive. Teardown is also the shutdown test: engines and their placement
+    Tests may change the served version and restart engines but leave every
+    engine alive. Teardown is also the shutdown test: engines and their placement
     groups must be gone afterwards.
     """
     # Past the tiny model's 64 positions: the pause tests need long generations.
+    engines = getattr(request.module, "ENGINES", 2)
     cfg = EngineConfig(
-        num_engines=2, num_cpus_per_engine=1.0, health_timeout_s=60.0, context_length=1024
+        num_engines=engines, num_cpus_per_engine=1.0, health_timeout_s=60.0, context_length=1024
     )
     group = EngineGroup(f"test-{uuid.uuid4().hex[:8]}", cfg, namespace="prefect-rl-test")
     group.start(str(tiny_dir), weight_version=0)

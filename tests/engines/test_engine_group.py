@@ -1,4 +1,5 @@
-"""EngineGroup on a real Ray cluster: placement, dispatch, restart after a kill.
+"""EngineGroup on a real Ray cluster: placement, dispatch, restart after a kill,
+HTTP served from inside the engine actors.
 
 The session's two-engine group (conftest) serves the module; tests run in
 file order and each leaves both engines alive. Shutdown is checked in the
@@ -104,3 +105,16 @@ def test_engine_killed_mid_rollout_is_restarted(group, tiny_v1, caplog):
     # An engine that ran and died: a real restart, so a WARNING (a first start is INFO).
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert f"restarting {group.actor_name(0)} at version 1" in warned
+
+
+def test_each_engine_serves_http_from_its_actor(group, tiny_v1):
+    urls = group.start_http(allowed_roots=[str(tiny_v1)])
+    assert set(urls) == {0, 1} and group.urls() == urls
+    assert group.start_http() == urls  # idempotent
+    for i in urls:
+        with group.client(i) as client:
+            r = client.generate(input_ids=[1, 5], sampling_params={"max_new_tokens": 2})
+            assert r["meta_info"]["engine_id"] == i
+            version = client.get_weight_version()
+            # Ray and HTTP see one engine.
+            assert ray.get(group.handle(i).get_weight_version.remote()) == version

@@ -14,13 +14,14 @@ import ray
 LONG = {"temperature": 1.0, "max_new_tokens": 400, "stop_token_ids": []}
 PROMPT = [1, 5, 6, 7, 25, 8]
 ROWS = 4
+ENGINES = 1  # the module's engine group (conftest): these tests drive one engine
 
 
 @pytest.fixture(scope="module")
 def actor(engine_group):
-    # Engine 1 of the session group: created by the group as a threaded actor
+    # The engine of the module's group: created by the group as a threaded actor
     # with a control concurrency group, exactly as in production.
-    return engine_group.handle(1)
+    return engine_group.handle(0)
 
 
 def _long(actor, seed0: int = 0):

@@ -1,20 +1,24 @@
 """An embedded engine spanning 2 ranks (engines.tp_size=2) on a real Ray cluster:
 it generates what a 1-rank engine generates, reloads from disk on every rank or
-on none, takes tensor handles one per rank, joins a broadcast group with every
-rank, and its ranks live and die with it."""
+on none, every rank verifying what it reads against the version's manifest, takes
+tensor handles one per rank, joins a broadcast group with every rank, and its
+ranks live and die with it."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import uuid
 
+import fsspec
 import pytest
 import ray
 
 from engines.config import EngineConfig
 from engines.embedded.weight_files import read_state_dict
 from engines.group import EngineGroup
+from storage.weights import WeightsWriter
 from training.broadcast_sender import BroadcastSender
 from training.weight_sender import ShmSegment
 from wire.flat_bucket import flatten
@@ -70,6 +74,37 @@ def test_disk_reload_is_all_ranks_or_none(engines, tiny_v1, broken_dir, tiny_dir
     assert [r["output_ids"] for r in _gen(one)] == [r["output_ids"] for r in _gen(two)]
     for g in engines:  # back to v0 for the next test
         assert ray.get(g.handle(0).update_weights_from_disk.remote(str(tiny_dir), "0"))["success"]
+
+
+def test_each_rank_verifies_the_version_it_reads(engines, tiny_v1, tiny_dir, tmp_path):
+    """A byte flipped in a shard of a committed version: the engine refuses it and serves
+    on, and rank 1 reading the folder itself names the mismatch too; the intact version
+    loads on every rank."""
+    _, two = engines
+    writer = WeightsWriter(fsspec.filesystem("file"), str(tmp_path / "weights"), "t", 1, 1, 0)
+    for f in sorted(tiny_v1.iterdir()):
+        writer.add_file(f.name, str(f))
+    writer.commit()  # shards, then manifest.json last: v1, as a run publishes it
+    intact = tmp_path / "weights" / "v000001"
+    damaged = shutil.copytree(intact, tmp_path / "corrupt-tp")
+    shard = sorted(damaged.glob("model-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-2] ^= 0x10
+    shard.write_bytes(data)
+    h = two.handle(0)
+    res = ray.get(h.update_weights_from_disk.remote(str(damaged), "1"))
+    assert not res["success"] and "hash mismatch" in res["message"]
+    assert ray.get(h.get_weight_version.remote()) == "0"
+
+    def stage_on_rank_1(engine, path):  # what rank 1 finds when it reads the dir itself
+        return ray.get(engine.served.ranks.peers[0].stage_from_disk.remote(path))
+
+    err = ray.get(h.__ray_call__.remote(stage_on_rank_1, str(damaged)))
+    assert err is not None and err.startswith("rank 1") and "hash mismatch" in err
+    ok = ray.get(h.update_weights_from_disk.remote(str(intact), "1"))
+    assert ok["success"], ok["message"]
+    # back to v0 for the next test
+    assert ray.get(h.update_weights_from_disk.remote(str(tiny_dir), "0"))["success"]
 
 
 def test_tensor_handles_one_per_rank(engines, tiny_v1):

@@ -1,4 +1,4 @@
-"""The SGLang launcher (engines.sglang) and HTTP served from inside engine actors.
+"""The SGLang launcher (engines.sglang).
 
 SGLang itself needs CUDA, so the launcher runs tests/engines/standin_sglang_server.py,
 a STAND-IN that takes launch_server's arguments and serves the embedded
@@ -83,19 +83,6 @@ def test_group_of_sglang_kind_runs_and_stops_standin(
         assert _gone(pid), "the server outlived its actor"
     finally:
         group.shutdown()
-
-
-def test_embedded_actor_serves_http(engine_group, tiny_v1):
-    urls = engine_group.start_http(allowed_roots=[str(tiny_v1)])
-    assert set(urls) == {0, 1} and engine_group.urls() == urls
-    assert engine_group.start_http() == urls  # idempotent
-    for i in urls:
-        with engine_group.client(i) as client:
-            r = client.generate(input_ids=[1, 5], sampling_params={"max_new_tokens": 2})
-            assert r["meta_info"]["engine_id"] == i
-            version = client.get_weight_version()
-            # Ray and HTTP see one engine.
-            assert ray.get(engine_group.handle(i).get_weight_version.remote()) == version
 
 
 def test_launcher_stop_escalates_and_failed_launch_reports_log(tmp_path, tiny_dir):

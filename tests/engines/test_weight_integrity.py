@@ -13,7 +13,6 @@ import shutil
 
 import fsspec
 import pytest
-import ray
 
 from engines.client import EngineClient, EngineHTTPError
 from engines.config import EngineConfig
@@ -151,31 +150,3 @@ def test_engine_start_from_a_corrupt_version_is_refused(root):
     shard.write_bytes(data)
     with pytest.raises(WeightIntegrityError, match="hash mismatch"):
         EmbeddedEngine(str(d), 0, EngineConfig())
-
-
-def test_ranks_of_a_two_rank_engine_verify_too(ray_cluster, root, tiny_dir, run_name):
-    from engines.group import EngineGroup
-
-    cfg = EngineConfig(num_engines=1, tp_size=2, num_cpus_per_engine=0.5, health_timeout_s=120)
-    group = EngineGroup(run_name, cfg, namespace="prefect-rl-test")
-    d = _copy(root, "corrupt-tp")
-    shard = d / _shard(d)
-    data = bytearray(shard.read_bytes())
-    data[-2] ^= 0x10
-    shard.write_bytes(data)
-    group.start(str(tiny_dir), 0)
-    try:
-        h = group.handle(0)
-        res = ray.get(h.update_weights_from_disk.remote(str(d), "1"))
-        assert not res["success"] and "hash mismatch" in res["message"]
-        assert ray.get(h.get_weight_version.remote()) == "0"
-
-        def stage_on_rank_1(engine, path):  # what rank 1 finds when it reads the dir itself
-            return ray.get(engine.served.ranks.peers[0].stage_from_disk.remote(path))
-
-        err = ray.get(h.__ray_call__.remote(stage_on_rank_1, str(d)))
-        assert err is not None and err.startswith("rank 1") and "hash mismatch" in err
-        ok = ray.get(h.update_weights_from_disk.remote(str(root / "weights" / "v000001"), "1"))
-        assert ok["success"], ok["message"]
-    finally:
-        group.shutdown()

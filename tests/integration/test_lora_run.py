@@ -85,7 +85,10 @@ def test_a_lora_run_resumed_on_s3_ends_with_the_adapters_of_one_that_ran_through
         "storage.s3.endpoint_url": s3_url,
         "engines.local_cache_dir": str(tmp_path / "engine-cache"),
     }
-    first, _, _ = run_plain(lora_cfg(tmp_path, "lora", 2, **extra), quiet=True)
+    # The engine stays up for the resumed run (an engine start is a process importing
+    # torch); the trainer goes, so the resumed run restores it from S3.
+    first, _, _ = run_plain(lora_cfg(tmp_path, "lora", 2, **extra), quiet=True, keep_actors=True)
+    first.trainer().shutdown()
     assert first.store.committed_versions() == [0, 1, 2]
     ctx, rows, _ = run_plain(lora_cfg(tmp_path, "lora", 3, **extra), quiet=True, keep_actors=True)
     try:

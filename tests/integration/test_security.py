@@ -142,33 +142,51 @@ def test_cli_disables_ray_auth_only_for_its_own_local_cluster(tmp_path, monkeypa
     assert "not a local HF checkpoint" in capsys.readouterr().err
 
 
-def test_a_refused_reward_leaves_no_run_state_and_the_fix_runs(ray_cluster, tmp_path, capsys):
+def test_a_refused_reward_leaves_no_run_state_and_a_trusted_one_scores_the_rollouts(
+    ray_cluster, tmp_path, capsys, monkeypatch
+):
+    """A typo in rollout.reward is refused before any run state; the fix runs with the
+    config file's reward from a trusted module, which scores every sample. One run for
+    both: each run is an engine and a train rank, processes importing torch."""
+    import yaml
+
+    pkg = tmp_path / "pkgs" / "flatrewards"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "flat.py").write_text(
+        "def quarter(response: str, label: str) -> float:\n    return 0.25\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
     root = tmp_path / "runs"
-    common = [
-        "run",
-        "configs/tiny-cpu.yaml",
-        "--plain",
-        "--set",
-        "run.name=typo",
-        "--set",
-        "run.iterations=1",
-        "--set",
-        f"storage.root={root}",
-        "--set",
-        "rollout.batch_size=4",
-        "--set",
-        "rollout.n_samples_per_prompt=4",
-        "--set",
-        "engines.num_cpus_per_engine=0.5",
-        "--set",
-        "train.num_cpus_per_worker=0.5",
-    ]
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": "trusted", "iterations": 1},
+                "storage": {"root": str(root)},
+                "rollout": {
+                    "reward": "flatrewards.flat:quarter",
+                    "trusted_reward_modules": ["flatrewards"],
+                    "batch_size": 4,
+                    "n_samples_per_prompt": 4,
+                },
+                "engines": {"num_cpus_per_engine": 0.5},
+                "train": {"num_cpus_per_worker": 0.5},
+            }
+        )
+    )
+    common = ["run", str(path), "--plain"]
     assert main([*common, "--set", "rollout.reward=mtach"]) == 2
     assert "'mtach' is not a builtin" in capsys.readouterr().err
-    assert not (root / "typo").exists()  # no run.json, lease or v0 to freeze the typo
-    assert main([*common, "--set", "rollout.reward=match"]) == 0
-    run_json = json.loads((root / "typo" / "run.json").read_text())
-    assert run_json["config"]["rollout"]["reward"] == "match"
+    assert not (root / "trusted").exists()  # no run.json, lease or v0 to freeze the typo
+    assert main(common) == 0
+    run_json = json.loads((root / "trusted" / "run.json").read_text())
+    assert run_json["config"]["rollout"]["reward"] == "flatrewards.flat:quarter"
+    from storage.config import StorageConfig
+    from storage.run_store import RunStore
+
+    store = RunStore(StorageConfig(root=str(root)), "trusted")
+    assert {s["reward"] for s in store.read_rollouts(1)["samples"]} == {0.25}
 
 
 def test_a_published_version_with_its_manifest_gone_is_republished_not_replaced(
@@ -195,7 +213,10 @@ def test_a_published_version_with_its_manifest_gone_is_republished_not_replaced(
     shard = next(Path(store.local_version_dir(3)).glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     assert store.version_state(3) == "damaged" and 3 in store.committed_checkpoints()
-    assert expected_version(ctx3, 4) == 3
+    try:
+        assert expected_version(ctx3, 4) == 3
+    finally:  # the trainer that rebuilt state 3 (left up, it idled to the session's end)
+        ctx3.trainer().shutdown()
     assert store.read_manifest(3).file_set() == files3
     assert store.verify_version(3).version == 3
 
@@ -297,42 +318,6 @@ def test_a_checkpoint_fallback_warning_is_part_of_the_step_result(ray_cluster, t
     # Prefect task logs as warnings in the task run's log) says why.
     warned = ctx.store.read_record(2, "train")["result"].get("warnings") or []
     assert any("checkpoint 1" in w and "corrupt" in w for w in warned), warned
-
-
-def test_a_trusted_reward_from_the_config_file_scores_the_rollouts(
-    ray_cluster, tmp_path, monkeypatch
-):
-    import yaml
-
-    from flows.config import load_config
-
-    pkg = tmp_path / "pkgs" / "flatrewards"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "flat.py").write_text(
-        "def quarter(response: str, label: str) -> float:\n    return 0.25\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
-    path = tmp_path / "run.yaml"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "run": {"name": "trusted", "iterations": 1},
-                "storage": {"root": str(tmp_path / "runs")},
-                "rollout": {
-                    "reward": "flatrewards.flat:quarter",
-                    "trusted_reward_modules": ["flatrewards"],
-                    "batch_size": 4,
-                    "n_samples_per_prompt": 4,
-                },
-                "engines": {"num_cpus_per_engine": 0.5},
-                "train": {"num_cpus_per_worker": 0.5},
-            }
-        )
-    )
-    cfg = load_config(path)
-    ctx, rows, _ = run_plain(cfg, quiet=True)
-    assert {s["reward"] for s in ctx.store.read_rollouts(1)["samples"]} == {0.25}
 
 
 def test_a_maintenance_flow_refuses_a_live_holder_at_once(ray_cluster, tmp_path):
