@@ -217,6 +217,7 @@ def test_lora_compiled_layers_score_the_weights_eager_layers_do(tmp_path):
         with as_written(actor._compute.model):
             eager = actor.score(ids, temperature=0.7)
         gaps[name] = (compiled - eager).abs().max().item()
+    print(f"\nCOMPILED-vs-EAGER logprob gap: {gaps}")
     assert gaps["lora"] <= max(4 * gaps["full"], 5e-3), gaps
 
 
