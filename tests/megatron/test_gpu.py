@@ -99,9 +99,7 @@ def make_actor(cls, qwen2_dir: str, root: str, name: str, dtype: str = "bfloat16
     cfg = TrainConfig(
         backend="megatron" if cls is MegatronTrainActor else "torch",
         num_gpus_per_worker=1.0,
-        lr=1e-3,
-        micro_batch_size=16,
-        **train,
+        **{"lr": 1e-3, "micro_batch_size": 16, **train},
     )
     sections = TrainerSections(
         train=cfg, model=ModelConfig(dtype=dtype), storage=store_cfg, weights=WeightsConfig()
