@@ -213,12 +213,29 @@ def test_lora_compiled_layers_score_the_weights_eager_layers_do(tmp_path):
         )
         for k in range(1, 5):
             actor.train_step(k)
+        # Scored as evaluation does (eval mode, no graph) and as the step does (train
+        # mode, with a graph: where rollout_logprob_kl is measured).
         compiled = actor.score(ids, temperature=0.7)
+        step_compiled = step_logprobs(actor, ids)
         with as_written(actor._compute.model):
             eager = actor.score(ids, temperature=0.7)
+            step_eager = step_logprobs(actor, ids)
         gaps[name] = (compiled - eager).abs().max().item()
+        gaps[f"{name} step"] = (step_compiled - step_eager).abs().max().item()
     print(f"\nCOMPILED-vs-EAGER logprob gap: {gaps}")
     assert gaps["lora"] <= max(4 * gaps["full"], 5e-3), gaps
+    assert gaps["lora step"] <= max(4 * gaps["full step"], 5e-3), gaps
+
+
+def step_logprobs(actor: TrainActor, ids: list[list[int]]) -> torch.Tensor:
+    """Logprobs of ``ids`` through the policy as a training step runs it."""
+    from training.backend_torch import token_logprobs
+
+    policy = actor._policy()
+    policy.train()
+    t = torch.tensor(ids, device="cuda")
+    lp = token_logprobs(policy, t, torch.ones_like(t), 0.7)[0]
+    return lp.detach().float().cpu()
 
 
 def test_a_step_waits_for_the_device_about_once_per_micro_batch(tmp_path):
