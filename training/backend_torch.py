@@ -192,7 +192,10 @@ def should_compile_layers(
     one rank of full fine-tuning, where it was measured. FSDP2's ranks keep eager
     layers unless ``on``, and so does LoRA: on one H100 its compiled layers scored
     SGLang's samples at ``rollout_logprob_kl`` 0.016 (max 0.027) where eager layers
-    scored 0.0022 (SmolLM2, 20 iterations), a gap not yet explained."""
+    scored 0.0022 (SmolLM2, 20 iterations). Those layers recompiled until
+    torch.compile's recompile limit and then ran partly eager (the first layer's
+    input needed no gradient, the others' did; ``training.lora`` now marks it), and
+    whether that was the whole gap is still to be measured."""
     if setting == "auto":
         cuda = device.type == "cuda" and importlib.util.find_spec("triton") is not None
         return cuda and world_size == 1 and not lora

@@ -78,7 +78,19 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         inject_adapter_in_model(peft_cfg, model)
+    # The frozen embedding's output needs no gradient, so the first decoder layer's
+    # input would not require grad where every later layer's does: compiled layers
+    # then recompile per case (and per attention mask, train or eval) until
+    # torch.compile's recompile limit sends the rest back to eager. Marked as needing
+    # one where gradients are on, every layer sees the same input (HF's
+    # enable_input_require_grads does it for checkpointing, in no-grad passes too).
+    model.get_input_embeddings().register_forward_hook(_needs_grad)
     return model
+
+
+def _needs_grad(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+    if torch.is_grad_enabled():
+        output.requires_grad_(True)
 
 
 def lora_layers(model: nn.Module) -> list[nn.Module]:

@@ -6,8 +6,10 @@ GPU. A trainer that runs its passes once on this batch while it is built pays
 that time where nothing waits for it (in a new run, beside the engines' start)
 and gives every later step, and a resumed process's first one, the same
 kernels. The batch has two prompts of two samples each with differing rewards,
-so every path of the loss runs (two rows and two response tokens or more:
-dynamic shapes specialise sizes 0 and 1). Never read or written to storage.
+so every path of the loss runs, and responses of two lengths, so it is padded
+and carries an attention mask as a run's batches do (a batch without padding
+passes none, a case compiled apart); two rows and two response tokens or more,
+as dynamic shapes specialise sizes 0 and 1. Never read or written to storage.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ def warm_up_batch(vocab_size: int, temperature: float) -> RolloutBatch:
             p,
             j,
             prompt_ids=[(1 + p + i) % vocab_size for i in range(6)],
-            response_ids=[(7 + j + i) % vocab_size for i in range(4)],
-            response_logprobs=[-1.0] * 4,
+            response_ids=[(7 + j + i) % vocab_size for i in range(3 + j)],
+            response_logprobs=[-1.0] * (3 + j),
             reward=float(j),
             weight_version=0,
             finish_reason="length",

@@ -261,13 +261,18 @@ def test_a_step_waits_for_the_device_about_once_per_micro_batch(tmp_path):
     assert len(syncs) <= 2 * micro_batches + 8, [str(w.message)[:80] for w in syncs]
 
 
-def test_a_built_trainer_has_compiled_its_steps_kernels(tmp_path):
+@pytest.mark.parametrize("lora", [None, {"rank": 8, "alpha": 16}], ids=["full", "lora"])
+def test_a_built_trainer_has_compiled_its_steps_kernels(tmp_path, lora):
     """The passes run once on a small batch as the trainer is built (in a new run,
-    beside the engines' start), so its first steps compile nothing."""
+    beside the engines' start), so its first steps compile nothing; with LoRA too,
+    whose first layer's input once differed from the others' and made the layers
+    recompile to torch.compile's limit."""
     from torch._dynamo.utils import counters
 
     model_dir = write_tiny_model(tmp_path / "tiny")
-    actor = cuda_actor(tmp_path, model_dir, "warm", compute_dtype="bfloat16", compile_layers="on")
+    actor = cuda_actor(
+        tmp_path, model_dir, "warm", compute_dtype="bfloat16", compile_layers="on", lora=lora
+    )
     assert counters["stats"]["unique_graphs"] > 0
     assert all(p.grad is None for p in actor.model.parameters()) and not actor.optim.state
     graphs = counters["stats"]["unique_graphs"]

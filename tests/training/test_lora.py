@@ -197,3 +197,31 @@ def test_a_continued_run_cannot_change_its_adapters(tmp_path):
         check_frozen(ctx({"rank": 8}))
     with pytest.raises(ConfigError, match=r"train.lora \(was .*'rank': 4.*, now None\)"):
         check_frozen(ctx(None))
+
+
+def test_every_decoder_layer_sees_an_input_that_needs_a_gradient(tmp_path, tiny_model_dir):
+    # The frozen embedding's output needs none, so without the adapters' hook the first
+    # layer's input would differ from every other layer's: compiled layers recompiled
+    # per case until torch.compile's recompile limit sent the rest back to eager (seen
+    # on an H100). Where no gradient is taken, none is asked for.
+    from training.backend_torch import decoder_layers
+
+    a = actor(tmp_path, tiny_model_dir, compute_dtype="bfloat16")
+    seen: list[bool] = []
+    policy = a._policy()  # the bf16 copy the step runs: it keeps the hook
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda m, args, kw: seen.append(args[0].requires_grad), with_kwargs=True
+        )
+        for layer in decoder_layers(policy)
+    ]
+    try:
+        policy(input_ids=torch.tensor(IDS))
+        assert seen and all(seen)
+        seen.clear()
+        with torch.no_grad():
+            policy(input_ids=torch.tensor(IDS))
+        assert seen and not any(seen)
+    finally:
+        for h in hooks:
+            h.remove()
