@@ -44,6 +44,7 @@ class ComputeCopy:
         parameters in the same order (megatron builds its bf16 model through
         ``Float16Module``, whose config differs from the fp32 one's); by default a
         deep copy of the master, cast."""
+        built_apart = twin is not None
         if twin is None:
             twin = copy.deepcopy(master)
             for p in twin.parameters():
@@ -57,7 +58,8 @@ class ComputeCopy:
                     f"compute twin {c.dtype}{tuple(c.shape)} against master "
                     f"{tuple(m.shape)}: not the master's layout in {dtype}"
                 )
-        _copy_in(pairs)  # a twin built apart starts from its own initialisation
+        if built_apart:  # it holds its own initialisation: every master value, cast
+            _copy_in(pairs)
         # Only what the optimizer changes needs copying again and gets gradients (a
         # LoRA model's frozen base was cast once, above).
         self._trained = [(m, c) for m, c in pairs if m.requires_grad]

@@ -80,11 +80,14 @@ class MegatronTrainActor(TrainActor):
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
 
-    def _build(self, hf_cfg: Any, hf_state: dict[str, torch.Tensor], dtype: str) -> HFView:
+    def _build(self, hf_cfg: Any, hf_state: dict[str, torch.Tensor] | None, dtype: str) -> HFView:
+        """The model in ``dtype``, holding ``hf_state`` (None: as initialised, for a
+        compute twin, which ``ComputeCopy`` fills from the master)."""
         mc = self.cfg.megatron
         gpt = build_gpt(hf_cfg, dtype, mc.tensor_parallel, mc.pipeline_parallel, self.device)
         view = wrap(gpt, hf_cfg, dtype)
-        load_hf_state(gpt, hf_state, self.tp, self.tp_rank)
+        if hf_state is not None:
+            load_hf_state(gpt, hf_state, self.tp, self.tp_rank)
         return view
 
     def init_from_base(self, model_path: str) -> int:
@@ -103,7 +106,7 @@ class MegatronTrainActor(TrainActor):
         dtype, compute = self.model_cfg.dtype, self.sections.compute_dtype
         self.model = self._build(hf_cfg, hf_state, dtype)
         if compute != dtype:
-            twin = self._build(hf_cfg, hf_state, compute)
+            twin = self._build(hf_cfg, None, compute)  # converted once: ComputeCopy copies
             self._compute = ComputeCopy(self.model, bt.DTYPES[compute], twin)
         if self.cfg.loss.kl_coef > 0:  # frozen: it scores in the compute dtype, as the policy does
             self.ref_model = self._build(hf_cfg, hf_state, compute)
