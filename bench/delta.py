@@ -75,7 +75,7 @@ from storage.hashio import hash_file, start_writeback, write_all  # noqa: E402
 from storage.safetensors_io import TensorEntry, write_hf_shards  # noqa: E402
 
 MB = 1 << 20
-SHARD = 512 * MB  # weights.shard_size's default
+SHARD = 512 * MB  # weights.shard_size's default (--shard-mb)
 SLICE = 16 * MB  # storage.hashio's hash/write slice
 RESULTS = Path(__file__).resolve().parent / "results" / "delta_cpu.json"
 
@@ -94,11 +94,13 @@ def publish(
     entries: list[TensorEntry],
     every: int | None,
     base_cache: str | None = None,
+    shard: int = SHARD,
+    workers: int = 2,
 ):
     w = store.weights_writer(
         v, v, v - 1 if v else None, full_every=every, base_cache_dir=base_cache
     )
-    write_hf_shards(w.open, entries, shard_size=SHARD)
+    write_hf_shards(w.open, entries, shard_size=shard, workers=workers)
     return w.commit()
 
 
@@ -251,6 +253,8 @@ def run_state(
     tmp: str,
     busy_gb: float = 0.0,
     hashes: dict | None = None,
+    shard: int = SHARD,
+    workers: int = 2,
 ) -> list[dict]:
     """Rows of one state on one root: full vs delta for v1..vN (see the module doc);
     on a quiet local disk also a full version's hash times, into ``hashes``."""
@@ -259,14 +263,14 @@ def run_state(
     full = RunStore(cfg_of("full"), f"{name}-full-{uuid.uuid4().hex[:6]}")
     delta = RunStore(cfg_of("delta"), f"{name}-delta-{uuid.uuid4().hex[:6]}")
     base_cache = os.path.join(tmp, f"pub-{uuid.uuid4().hex[:6]}")
-    publish(full, 0, versions[0], None)
-    publish(delta, 0, versions[0], None)
+    publish(full, 0, versions[0], None, shard=shard, workers=workers)
+    publish(delta, 0, versions[0], None, shard=shard, workers=workers)
     engine_cache = os.path.join(tmp, f"eng-{uuid.uuid4().hex[:6]}")
     delta.pull(0, engine_cache)  # the engines hold v0 already
     rows = []
     for v in range(1, steps + 1):
         with busy_disk(tmp, busy_gb if where == "disk" else 0):
-            tf, cf, mf = timed(publish, full, v, versions[v], None)
+            tf, cf, mf = timed(publish, full, v, versions[v], None, shard=shard, workers=workers)
             folder, cache = full.local_version_dir(v), None
             tpf = cpf = 0.0
             if folder is None:  # an object store: engines pull; a local root: they load it
@@ -277,7 +281,9 @@ def run_state(
         if cache is not None:
             shutil.rmtree(cache)
         with busy_disk(tmp, busy_gb if where == "disk" else 0):
-            td, cd, md = timed(publish, delta, v, versions[v], steps + 1, base_cache)
+            td, cd, md = timed(
+                publish, delta, v, versions[v], steps + 1, base_cache, shard=shard, workers=workers
+            )
             assert md.delta is not None and md.rebuilt().file_set() == mf.file_set()
             tpd, cpd, pulled = timed(delta.pull, v, engine_cache)
             tld, cld, _ = timed(verify_dir, pulled.path)
@@ -359,6 +365,10 @@ def main() -> None:
         help="local disk: also time each path while a checkpoint-like writer streams this "
         "many GB to the same disk (2.3: a 0.5B run saving every iteration)",
     )
+    ap.add_argument("--shard-mb", type=int, default=SHARD // MB, help="weights.shard_size, in MiB")
+    ap.add_argument(
+        "--shard-workers", type=int, default=2, help="shards written at once (write_hf_shards)"
+    )
     args = ap.parse_args()
     names = args.states
     if names is None:
@@ -367,6 +377,8 @@ def main() -> None:
     meta: dict[str, Any] = {
         "steps": args.steps,
         "lr_0.5b": args.lr,
+        "shard_mb": args.shard_mb,
+        "shard_workers": args.shard_workers,
         "cpus": os.cpu_count(),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -409,6 +421,8 @@ def main() -> None:
                     tmp,
                     busy,
                     meta[f"floors-{s}"],
+                    shard=args.shard_mb * MB,
+                    workers=args.shard_workers,
                 )
         if args.s3:
             sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -426,6 +440,8 @@ def main() -> None:
                         ),
                         "moto s3",
                         tmp,
+                        shard=args.shard_mb * MB,
+                        workers=args.shard_workers,
                     )
     for s in states:
         f = meta[f"floors-{s}"]

@@ -46,7 +46,9 @@ def _hash_pool() -> ThreadPoolExecutor:
     global _HASH_POOL
     with _POOL_LOCK:
         if _HASH_POOL is None:
-            _HASH_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="storage-hash")
+            _HASH_POOL = ThreadPoolExecutor(
+                max_workers=max(4, tree.workers()), thread_name_prefix="storage-hash"
+            )
         return _HASH_POOL
 
 
