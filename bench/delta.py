@@ -95,7 +95,7 @@ def publish(
     every: int | None,
     base_cache: str | None = None,
     shard: int = SHARD,
-    workers: int = 2,
+    workers: int | None = None,
 ):
     w = store.weights_writer(
         v, v, v - 1 if v else None, full_every=every, base_cache_dir=base_cache
@@ -254,7 +254,7 @@ def run_state(
     busy_gb: float = 0.0,
     hashes: dict | None = None,
     shard: int = SHARD,
-    workers: int = 2,
+    workers: int | None = None,
 ) -> list[dict]:
     """Rows of one state on one root: full vs delta for v1..vN (see the module doc);
     on a quiet local disk also a full version's hash times, into ``hashes``."""
@@ -367,7 +367,10 @@ def main() -> None:
     )
     ap.add_argument("--shard-mb", type=int, default=SHARD // MB, help="weights.shard_size, in MiB")
     ap.add_argument(
-        "--shard-workers", type=int, default=2, help="shards written at once (write_hf_shards)"
+        "--shard-workers",
+        type=int,
+        default=None,
+        help="shards written at once (default: write_hf_shards's, one per core up to 8)",
     )
     args = ap.parse_args()
     names = args.states

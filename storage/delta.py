@@ -57,9 +57,18 @@ from storage.manifests import committed_versions, read_manifest
 from storage.types import DeltaOf, FileEntry, WeightsManifest
 from storage.weights import WeightsWriter
 
-# Frames one file has in flight (encoding, or encoded and not yet written), each holding
-# its 8 MiB buffer: one per core and two queued, at most 16 (128 MiB).
+# Frames in flight (encoding, or encoded and not yet written), each holding its 8 MiB
+# buffer: one per core and two queued, at most 16 (128 MiB), shared by the files being
+# written at once (shards are written in parallel), each keeping at least 2.
 AHEAD = min(tree.workers() + 2, 16)
+_LIVE_LOCK = threading.Lock()
+_LIVE = [0]  # _XorFile objects open in this process
+
+
+def _ahead() -> int:
+    """Frames one open file may keep in flight now."""
+    with _LIVE_LOCK:
+        return max(2, AHEAD // max(1, _LIVE[0]))
 
 
 def choose_base(
@@ -143,6 +152,9 @@ class _XorFile(HashingWriter):
         # The current chunk's start while every byte of it so far is the base's.
         self._same_since: int | None = None
         self._hashing: list[Future] = []  # chunk hashes of the bytes handed to _emit
+        self._live = True
+        with _LIVE_LOCK:
+            _LIVE[0] += 1
 
     def _emit(self, mv: memoryview) -> None:
         futs = self._hash_sha(mv)  # the file's sha256 overlaps XOR, chunk hashes and encoding
@@ -245,7 +257,7 @@ class _XorFile(HashingWriter):
         self._encoding.append((tree.pool().submit(encode, x), x))
         self._fill = 0
         self._fbuf = self._spare.pop() if self._spare else np.empty(FRAME, np.uint8)
-        self._write_frames(AHEAD)
+        self._write_frames(_ahead())
 
     def _write_frames(self, keep: int) -> None:
         """Write the encoded frames at the head of the queue, in file order, waiting
@@ -278,6 +290,10 @@ class _XorFile(HashingWriter):
         if self._image is not None:
             self._image.close()
             self._image = None
+        if self._live:
+            self._live = False
+            with _LIVE_LOCK:
+                _LIVE[0] -= 1
 
     def abort(self) -> None:
         super().abort()

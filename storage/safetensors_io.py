@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from storage import tree
 from storage.errors import StorageError
 
 # Bytes per element of each safetensors dtype code.
@@ -31,6 +32,8 @@ DTYPE_SIZES: dict[str, int] = {
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# Shards written at once at most: each holds a sha256 stream and its write slices.
+MAX_SHARD_WRITERS = 8
 
 
 @dataclass(frozen=True)
@@ -139,12 +142,15 @@ def write_hf_shards(
     entries: list[TensorEntry],
     shard_size: int = 5 << 30,
     metadata: dict[str, str] | None = None,
-    workers: int = 2,
+    workers: int | None = None,
 ) -> list[str]:
     """Write ``entries`` as HF shards through ``open_file(name)`` (e.g. ``WeightsWriter.open``),
     plus the index when there is more than one shard. Shards are written by up to
-    ``workers`` threads so one shard's write overlaps another's hashing/flush.
+    ``workers`` threads (default: one per core, at most ``MAX_SHARD_WRITERS``): a
+    file's sha256 runs on one core, so shards written at once hash at once.
     Returns the file names written."""
+    if workers is None:
+        workers = min(MAX_SHARD_WRITERS, tree.workers())
     if metadata is None:
         metadata = {"format": "pt"}  # transformers refuses safetensors files without it
     plan = plan_shards([e.nbytes for e in entries], shard_size)
