@@ -146,11 +146,12 @@ def write_hf_shards(
 ) -> list[str]:
     """Write ``entries`` as HF shards through ``open_file(name)`` (e.g. ``WeightsWriter.open``),
     plus the index when there is more than one shard. Shards are written by up to
-    ``workers`` threads (default: one per core, at most ``MAX_SHARD_WRITERS``): a
-    file's sha256 runs on one core, so shards written at once hash at once.
+    ``workers`` threads (default: one per core, at least 2 so a write overlaps another
+    file's hashing, at most ``MAX_SHARD_WRITERS``): a file's sha256 runs on one core,
+    so shards written at once hash at once.
     Returns the file names written."""
     if workers is None:
-        workers = min(MAX_SHARD_WRITERS, tree.workers())
+        workers = max(2, min(MAX_SHARD_WRITERS, tree.workers()))
     if metadata is None:
         metadata = {"format": "pt"}  # transformers refuses safetensors files without it
     plan = plan_shards([e.nbytes for e in entries], shard_size)
