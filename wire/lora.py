@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from wire.errors import WeightLoadError
+from wire.flat_bucket import FlatBucket, flatten, unflatten
 
 PEFT_PREFIX = "base_model.model."  # what peft's save_pretrained puts before a module path
 _KEY_RE = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
@@ -51,13 +52,17 @@ def is_adapter_key(name: str) -> bool:
 
 
 def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """name -> sha256 of each tensor's bytes (SGLang's ``expected_checksums``)."""
-    return {
-        n: hashlib.sha256(
-            t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        ).hexdigest()
-        for n, t in tensors.items()
-    }
+    """name -> sha256 of each tensor's bytes (SGLang's ``expected_checksums``).
+
+    The tensors reach host memory as one flat copy per dtype: an adapter is hundreds
+    of small tensors, and a device-to-host copy of each would wait on the device
+    each time."""
+    digests: dict[str, str] = {}
+    for bucket in flatten(tensors.items()):
+        host = FlatBucket(flat=bucket.flat.cpu(), metadata=bucket.metadata)
+        for name, t in unflatten(host):
+            digests[name] = hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+    return {n: digests[n] for n in tensors}
 
 
 def check_checksums(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, str]) -> None:

@@ -1,13 +1,19 @@
 """The flattened_bucket wire format: buckets bounded by bytes, per-dtype flats,
-metadata, and an exact round trip (also through a shared-memory segment)."""
+metadata, an exact round trip (also through a shared-memory segment), and the
+per-tensor checksums an adapter travels with."""
 
 from __future__ import annotations
 
+import hashlib
+
+import pytest
 import torch
 
 from training.weight_sender import ShmSegment
 from wire import receiver as wr
+from wire.errors import WeightLoadError
 from wire.flat_bucket import flatten, iter_buckets, unflatten
+from wire.lora import check_checksums, checksums
 
 
 def _named() -> list[tuple[str, torch.Tensor]]:
@@ -83,3 +89,21 @@ def test_in_memory_transports_validate_like_disk():
         with pytest.raises(ConfigError, match=f"'{transport}' needs a local storage.root"):
             load_config(None, {"weights.transport": transport, "storage.root": "s3://b/p"})
     assert load_config(None, {}).weights.bucket_bytes == 512 * 1024 * 1024
+
+
+def test_adapter_checksums_are_each_tensors_own_sha256_and_catch_a_change():
+    # SGLang checks expected_checksums per tensor against the bytes it received: the
+    # sender's figures must be each tensor's own bytes in order, whatever its dtype,
+    # layout or place in a flat copy.
+    named = dict(_named())
+    named["g.transposed"] = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3).t()
+    got = checksums(named)
+    assert list(got) == list(named)
+    for name, t in named.items():
+        own = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert got[name] == hashlib.sha256(own).hexdigest(), name
+    check_checksums(named, got)
+    changed = {**named, "b.bias": named["b.bias"].clone()}
+    changed["b.bias"][3] += 1
+    with pytest.raises(WeightLoadError, match=r"'b\.bias'.*differ from their expected sha256"):
+        check_checksums(changed, got)
