@@ -85,21 +85,6 @@ def test_group_of_sglang_kind_runs_and_stops_standin(
         group.shutdown()
 
 
-def test_launcher_stop_escalates_and_failed_launch_reports_log(tmp_path, tiny_dir):
-    eng = SGLangEngine(str(tiny_dir), 0, _cfg(tmp_path, "--ignore-sigterm", stop_timeout_s=1.0))
-    assert eng.client.health_generate() and eng.is_running()
-    assert eng.health_generate()  # what the steps ask: a scheduler round trip
-    t0 = time.monotonic()
-    assert eng.stop() == -9  # SIGTERM ignored: SIGKILL after stop_timeout_s
-    assert time.monotonic() - t0 >= 1.0 and not eng.is_running()
-    assert not eng.health_generate()  # a dead server is not alive
-    with pytest.raises(RuntimeError, match="exited with 3") as e:
-        SGLangEngine(str(tiny_dir), 1, _cfg(tmp_path, "--exit-after-start"))
-    assert "stand-in sglang server" in str(e.value)  # the log tail names the cause
-    assert f"command: {sys.executable} {STANDIN}" in str(e.value)  # and what was run
-    assert os.path.exists(tmp_path / "engine-1.log")
-
-
 def test_launcher_passes_the_token_as_api_key_and_never_logs_it(
     tmp_path, tiny_dir, monkeypatch, caplog
 ):
@@ -126,10 +111,13 @@ def test_launcher_passes_the_token_as_api_key_and_never_logs_it(
 
 @pytest.fixture(scope="module")
 def plain_engine(tmp_path_factory, tiny_dir):
-    """One launched stand-in with the default settings, for the tests that only talk to
-    it (a launch is a process importing torch: tens of seconds on a loaded 2-core CI
-    machine). Each such test leaves it awake and serving v0, as it found it."""
-    eng = SGLangEngine(str(tiny_dir), 0, _cfg(tmp_path_factory.mktemp("plain-engine")))
+    """One launched stand-in with the default settings, except that it ignores SIGTERM
+    (stopped after 1 s by SIGKILL), for the tests that only talk to it (a launch is a
+    process importing torch: tens of seconds on a loaded 2-core CI machine). Each such
+    test leaves it awake and serving v0, as it found it; the last of them, the stop
+    test (last in this file), stops it."""
+    cfg = _cfg(tmp_path_factory.mktemp("plain-engine"), "--ignore-sigterm", stop_timeout_s=1.0)
+    eng = SGLangEngine(str(tiny_dir), 0, cfg)
     try:
         yield eng
     finally:
@@ -162,3 +150,19 @@ def test_an_endpoint_the_server_lacks_names_its_version(plain_engine):
     ):
         eng.get_weights_by_name("model.embed_tokens.weight")
     assert eng.get_weight_version() == "0"  # and the engine goes on serving
+
+
+def test_launcher_stop_escalates_and_failed_launch_reports_log(plain_engine, tmp_path, tiny_dir):
+    """Last of the tests on ``plain_engine``, which ignores SIGTERM: it stops it."""
+    eng = plain_engine
+    assert eng.client.health_generate() and eng.is_running()
+    assert eng.health_generate()  # what the steps ask: a scheduler round trip
+    t0 = time.monotonic()
+    assert eng.stop() == -9  # SIGTERM ignored: SIGKILL after stop_timeout_s
+    assert time.monotonic() - t0 >= 1.0 and not eng.is_running()
+    assert not eng.health_generate()  # a dead server is not alive
+    with pytest.raises(RuntimeError, match="exited with 3") as e:
+        SGLangEngine(str(tiny_dir), 1, _cfg(tmp_path, "--exit-after-start"))
+    assert "stand-in sglang server" in str(e.value)  # the log tail names the cause
+    assert f"command: {sys.executable} {STANDIN}" in str(e.value)  # and what was run
+    assert os.path.exists(tmp_path / "engine-1.log")
