@@ -73,9 +73,10 @@ from storage import RunStore, S3Options, StorageConfig, tree, verify_dir  # noqa
 from storage.delta_format import CODEC, FRAME, XorWords, encode  # noqa: E402
 from storage.hashio import hash_file, start_writeback, write_all  # noqa: E402
 from storage.safetensors_io import TensorEntry, write_hf_shards  # noqa: E402
+from training.config import WeightsConfig  # noqa: E402
 
 MB = 1 << 20
-SHARD = 512 * MB  # weights.shard_size's default (--shard-mb)
+SHARD = WeightsConfig().shard_size  # the default of --shard-mb
 SLICE = 16 * MB  # storage.hashio's hash/write slice
 RESULTS = Path(__file__).resolve().parent / "results" / "delta_cpu.json"
 
