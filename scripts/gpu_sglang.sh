@@ -274,7 +274,7 @@ peers)
             with_site configs/smollm2-gpu.yaml /tmp/smollm2-gpu.yaml
             python3 -m bench.smollm2_learning --config /tmp/smollm2-gpu.yaml --iterations "$n" \
                 --set run.seed="$seed" --out "/tmp/peers/peers_$tag.json" 2>&1 |
-                stdbuf -oL tr "\r" "\n" | grep -v "$noise" >"/tmp/peers/peers_$tag.txt"
+                stdbuf -oL tr "\r" "\n" | grep --line-buffered -v "$noise" >"/tmp/peers/peers_$tag.txt"
             ;;
         trl)
             sets=()
@@ -282,7 +282,7 @@ peers)
             PYTHONPATH=/tmp/peersite:$PYTHONPATH python3 -m bench.peers.trl_grpo \
                 --iterations "$n" --set run.seed="$seed" "${sets[@]}" \
                 --out "/tmp/peers/peers_$tag.json" 2>&1 |
-                stdbuf -oL tr "\r" "\n" | grep -v "$noise" >"/tmp/peers/peers_$tag.txt"
+                stdbuf -oL tr "\r" "\n" | grep --line-buffered -v "$noise" >"/tmp/peers/peers_$tag.txt"
             ;;
         verl)
             sets=()
@@ -291,7 +291,7 @@ peers)
                 --iterations "$n" --set run.seed="$seed" "${sets[@]}" \
                 --timeout "${VERL_TIMEOUT_S:-480}" --log /tmp/peers/verl_log.txt \
                 --out "/tmp/peers/peers_$tag.json" 2>&1 |
-                grep -v "$noise" >"/tmp/peers/peers_$tag.txt"
+                grep --line-buffered -v "$noise" >"/tmp/peers/peers_$tag.txt"
             grep -v server_args /tmp/peers/verl_log.txt | tail -3000 >"$OUT/peers_verl_log.txt"
             ;;
         *)
