@@ -144,9 +144,10 @@ def _train(ctx, k: int, engine_id: int | None) -> Result:
         out = ctx.trainer().train(k)
     if out.get("rollout_logprob_kl_over") and ctx.cfg.run.name not in _MISMATCH_WARNED:
         _MISMATCH_WARNED.add(ctx.cfg.run.name)  # once per run and process: the row keeps each
-        gate = ctx.cfg.train.mismatch
+        train = ctx.cfg.train
         kl, tau = out["rollout_logprob_kl"], out.get("temperature", 1.0)
-        log.warning(mismatch_message(k, kl, gate.max_kl, tau))
+        compiled_lora = train.lora is not None and train.compile_layers == "on"
+        log.warning(mismatch_message(k, kl, train.mismatch.max_kl, tau, compiled_lora))
     return out
 
 

@@ -341,8 +341,9 @@ class TrainActor:
             return False
         if gate.on_exceed == "error":
             self._zero_grad()
+            compiled_lora = self.cfg.lora is not None and self.cfg.compile_layers == "on"
             raise RolloutMismatchError(
-                mismatch_message(k, kl, gate.max_kl, batch.train_temperature)
+                mismatch_message(k, kl, gate.max_kl, batch.train_temperature, compiled_lora)
             )
         return True
 
