@@ -366,11 +366,10 @@ def send_adapter(
     """Hand a LoRA adapter (``named``: peft's names; ``config``: its peft config) to
     ``engine`` as adapter ``v{version}`` in one bucket: an adapter is a few MB, and an
     engine applies it whole. Collective as ``send_streamed``; rank 0 returns bytes."""
-    from wire.lora import adapter_name, checksums
+    from wire.lora import adapter_name, bucket_checksums
 
-    tensors = dict(named)
-    flats = flatten(tensors.items())
-    expected = checksums(tensors)  # the engine checks what it received (a few MB to hash)
+    flats = flatten(named)
+    expected = bucket_checksums(flats)  # the engine checks what it received (a few MB)
 
     def call(handles: list) -> Any:
         return engine.load_lora_adapter_from_tensors.remote(

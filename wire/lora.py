@@ -52,17 +52,21 @@ def is_adapter_key(name: str) -> bool:
 
 
 def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """name -> sha256 of each tensor's bytes (SGLang's ``expected_checksums``).
+    """name -> sha256 of each tensor's bytes (SGLang's ``expected_checksums``)."""
+    digests = bucket_checksums(flatten(tensors.items()))
+    return {n: digests[n] for n in tensors}
 
-    The tensors reach host memory as one flat copy per dtype: an adapter is hundreds
-    of small tensors, and a device-to-host copy of each would wait on the device
-    each time."""
+
+def bucket_checksums(buckets: list[FlatBucket]) -> dict[str, str]:
+    """``checksums`` of the tensors in flat ``buckets``, by name. Each bucket reaches
+    host memory as one copy: an adapter is hundreds of small tensors, and a
+    device-to-host copy of each would wait on the device each time."""
     digests: dict[str, str] = {}
-    for bucket in flatten(tensors.items()):
+    for bucket in buckets:
         host = FlatBucket(flat=bucket.flat.cpu(), metadata=bucket.metadata)
         for name, t in unflatten(host):
             digests[name] = hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
-    return {n: digests[n] for n in tensors}
+    return digests
 
 
 def check_checksums(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, str]) -> None:
